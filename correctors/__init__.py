@@ -1,0 +1,1 @@
+"""Off-policy correctors (IS, TIS, MIS, AIS) and mismatch metrics. Pure tensor math; torch only."""

@@ -1,0 +1,1 @@
+"""GEMM backends and (on GPU) Triton kernels. Narrow API: tensors and (data, scale) pairs only."""
