@@ -1,1 +1,46 @@
 """FP8 / NVFP4 quantization: the numerics contract, QuantLinear and model conversion."""
+
+from jetrl_trainer.quant.convert import dequantize_model, quantize_model
+from jetrl_trainer.quant.fp8 import (
+    FP8_DTYPE,
+    FP8_MAX,
+    dequantize_fp8_blocks,
+    dequantize_fp8_groups,
+    fp8_scale_from_amax,
+    quantize_fp8_blocks,
+    quantize_fp8_groups,
+)
+from jetrl_trainer.quant.linear import QuantLinear, invalidate_weight_caches
+from jetrl_trainer.quant.nvfp4 import E2M1_GRID, NVFP4Tensor, dequantize_nvfp4, quantize_nvfp4, round_to_e2m1
+from jetrl_trainer.quant.phase import PHASES, current_phase, precision_phase
+from jetrl_trainer.quant.recipe import BF16Recipe, FP8Recipe, NVFP4Recipe, Recipe, get_recipe, phase_recipes
+from jetrl_trainer.quant.stats import count_quant_gemms
+
+__all__ = [
+    "E2M1_GRID",
+    "FP8_DTYPE",
+    "FP8_MAX",
+    "PHASES",
+    "BF16Recipe",
+    "FP8Recipe",
+    "NVFP4Recipe",
+    "NVFP4Tensor",
+    "QuantLinear",
+    "Recipe",
+    "count_quant_gemms",
+    "current_phase",
+    "dequantize_fp8_blocks",
+    "dequantize_fp8_groups",
+    "dequantize_model",
+    "dequantize_nvfp4",
+    "fp8_scale_from_amax",
+    "get_recipe",
+    "invalidate_weight_caches",
+    "phase_recipes",
+    "precision_phase",
+    "quantize_fp8_blocks",
+    "quantize_fp8_groups",
+    "quantize_model",
+    "quantize_nvfp4",
+    "round_to_e2m1",
+]

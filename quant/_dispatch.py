@@ -1,0 +1,66 @@
+"""The one place that picks a fast Triton kernel or the pure-torch reference for FP8 quantization.
+
+The kernel runs when the tensor is on CUDA, ``jetrl_trainer.kernels`` exports it, Triton works
+(``kernels.triton_available()``) and ``JETRL_DISABLE_TRITON`` is not ``"1"``; otherwise the
+reference in :mod:`jetrl_trainer.quant.fp8` runs. Both produce the same bits (kernel tests check).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Optional
+
+import torch
+
+import jetrl_trainer.kernels as kernels
+from jetrl_trainer.quant.fp8 import dequantize_fp8_groups, quantize_fp8_blocks, quantize_fp8_groups
+
+__all__ = ["act_quant_fp8", "requant_transpose_fp8", "transpose_fp8_blocks", "weight_quant_fp8"]
+
+Pair = tuple[torch.Tensor, torch.Tensor]
+
+
+def _kernel(name: str, x: torch.Tensor) -> Optional[Callable[..., Pair]]:
+    if not x.is_cuda or os.environ.get("JETRL_DISABLE_TRITON") == "1":
+        return None
+    fn = getattr(kernels, name, None)
+    available = getattr(kernels, "triton_available", None)
+    if fn is None or available is None or not available():
+        return None
+    return fn
+
+
+def act_quant_fp8(x2d: torch.Tensor, scale_format: str = "fp32") -> Pair:
+    """``x [M, K]`` -> ``(q [M, K] fp8, s [M, ceil(K/128)] fp32)``, 1×128 groups along K."""
+    x2d = x2d.contiguous()
+    fast = _kernel("act_quant_fp8", x2d)
+    if fast is not None:
+        return fast(x2d, scale_format=scale_format)
+    return quantize_fp8_groups(x2d, 128, scale_format=scale_format)
+
+
+def weight_quant_fp8(w: torch.Tensor, scale_format: str = "fp32") -> Pair:
+    """``w [N, K]`` -> ``(q [N, K] fp8, s_inv [ceil(N/128), ceil(K/128)] fp32)``, 128×128 blocks."""
+    w = w.contiguous()
+    fast = _kernel("weight_quant_fp8", w)
+    if fast is not None:
+        return fast(w, scale_format=scale_format)
+    return quantize_fp8_blocks(w, 128, scale_format=scale_format)
+
+
+def requant_transpose_fp8(q: torch.Tensor, s: torch.Tensor, scale_format: str = "fp32") -> Pair:
+    """The WGrad operand: ``(q [M, K], s [M, ceil(K/128)])`` -> ``(qt [K, M], st [K, ceil(M/128)])``,
+    i.e. the dequantized tensor transposed and re-quantized in 1×128 groups along M."""
+    fast = _kernel("requant_transpose_fp8", q)
+    if fast is not None:
+        return fast(q, s, scale_format=scale_format)
+    return quantize_fp8_groups(dequantize_fp8_groups(q, s).t().contiguous(), 128, scale_format=scale_format)
+
+
+def transpose_fp8_blocks(q: torch.Tensor, s_inv: torch.Tensor) -> Pair:
+    """The DGrad operand: the same FP8 weight transposed with its block-scale grid, no re-quantization."""
+    fast = _kernel("transpose_fp8_blocks", q)
+    if fast is not None:
+        return fast(q, s_inv)
+    return q.t().contiguous(), s_inv.t().contiguous()

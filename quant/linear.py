@@ -1,0 +1,327 @@
+"""``QuantLinear``: an ``nn.Linear`` whose GEMMs run in the recipe of the active precision phase.
+
+One module serves both phases of a GRPO step (DESIGN §3–4): ``forward`` reads
+:func:`~jetrl_trainer.quant.phase.current_phase` and runs that phase's recipe. Equal recipes give
+the unified precision flow (rollout = a subgraph of the training forward); ``train=bf16,
+rollout=fp8`` gives the common baseline. No weights are copied: ``.weight`` / ``.bias`` are the
+original Parameters, ``state_dict()`` is unchanged.
+
+One ``torch.autograd.Function`` per quantized op:
+
+* :class:`_FP8LinearFunction` — fwd ``Y = X_q ⊗ W_q``; dgrad with the same FP8 weight transposed;
+  wgrad with the saved FP8 activation re-quantized along tokens. Saves FP8 + FP32 scales only.
+* :class:`_NVFP4LinearFunction` — emulated NVFP4 forward (dequantize to FP32, matmul), backward
+  ``dequantized`` or ``high_precision``.
+
+Weight quantization is cached per parameter version: the rollout and the training forward of one
+optimizer step use bit-identical quantized weights, recomputed once after the weights change. The
+cache key combines ``param._version``, ``data_ptr`` and a global generation bumped after every
+``torch.optim`` step (fused optimizers update parameters without bumping ``_version``). Code that
+mutates ``param.data`` directly (e.g. merging LoRA weights) should call
+:func:`invalidate_weight_caches`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from jetrl_trainer.kernels import fp8_gemm_nt
+from jetrl_trainer.quant._dispatch import act_quant_fp8, requant_transpose_fp8, transpose_fp8_blocks, weight_quant_fp8
+from jetrl_trainer.quant.nvfp4 import NVFP4Tensor, dequantize_nvfp4, quantize_nvfp4
+from jetrl_trainer.quant.phase import PHASES, current_phase
+from jetrl_trainer.quant.recipe import FP8Recipe, NVFP4Recipe, Recipe, RecipeLike, get_recipe
+from jetrl_trainer.quant.stats import record_gemm
+
+__all__ = ["QuantLinear", "invalidate_weight_caches"]
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_generation = 0
+
+
+def invalidate_weight_caches() -> None:
+    """Force every ``QuantLinear`` to re-quantize its weight on the next forward."""
+    global _generation
+    _generation += 1
+
+
+def _after_optimizer_step(optimizer, args, kwargs) -> None:
+    invalidate_weight_caches()
+
+
+register_optimizer_step_post_hook(_after_optimizer_step)
+
+
+def _dtype_names(dtypes) -> str:
+    return ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+
+
+def _needs_autograd(*tensors: Optional[torch.Tensor]) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _add_bias(y32: torch.Tensor, bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
+    # The bias is added to the FP32 GEMM result, then rounded once to the output dtype.
+    return (y32 + bias.float()).to(out_dtype) if bias is not None else y32.to(out_dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# FP8
+# ---------------------------------------------------------------------------------------------
+
+
+def _fp8_forward(x2d, w_q, w_s, bias, scale_format: str, out_dtype: torch.dtype):
+    # Y [M, N] = X_q [M, K] (1x128 groups along K) ⊗ W_q [N, K] (128x128 blocks), FP32 accumulation
+    x_q, x_s = act_quant_fp8(x2d, scale_format)
+    gemm_dtype = torch.float32 if bias is not None else out_dtype
+    y = fp8_gemm_nt((x_q, x_s), (w_q, w_s), b_granularity="block", out_dtype=gemm_dtype)
+    return _add_bias(y, bias, out_dtype), x_q, x_s
+
+
+class _FP8LinearFunction(torch.autograd.Function):
+    """FP8 linear with FP8 dgrad/wgrad; saves ``(X_q, X_s)`` and ``(W_q, W_sinv)``, never X."""
+
+    @staticmethod
+    def forward(ctx, x2d, weight, bias, w_q, w_s, scale_format, out_dtype):
+        y, x_q, x_s = _fp8_forward(x2d, w_q, w_s, bias, scale_format, out_dtype)
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        ctx.save_for_backward(
+            x_q if need_dw else None, x_s if need_dw else None, w_q if need_dx else None, w_s if need_dx else None
+        )
+        ctx.scale_format = scale_format
+        ctx.x_dtype, ctx.w_dtype = x2d.dtype, weight.dtype
+        ctx.b_dtype = bias.dtype if bias is not None else None
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x_q, x_s, w_q, w_s = ctx.saved_tensors
+        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+        dy = dy.contiguous()  # [M, N], the output dtype (BF16 between operators)
+        fmt = ctx.scale_format
+        dx = dw = db = None
+        if need_dx:
+            # grad_input: dX [M, K] = dY_q [M, N] (1x128 along N) ⊗ W_qᵀ [K, N] (128x128 blocks)
+            dy_q, dy_s = act_quant_fp8(dy, fmt)
+            wt_q, wt_s = transpose_fp8_blocks(w_q, w_s)
+            dx = fp8_gemm_nt((dy_q, dy_s), (wt_q, wt_s), b_granularity="block", out_dtype=ctx.x_dtype)
+        if need_dw:
+            # grad_weight: dW [N, K] = dYᵀ_q [N, M] (1x128 along M) ⊗ X_q'ᵀ [K, M] (1x128 along M)
+            dyt_q, dyt_s = act_quant_fp8(dy.t(), fmt)
+            xt_q, xt_s = requant_transpose_fp8(x_q, x_s, fmt)
+            dw = fp8_gemm_nt((dyt_q, dyt_s), (xt_q, xt_s), b_granularity="group", out_dtype=ctx.w_dtype)
+        if need_db:
+            db = dy.sum(dim=0, dtype=torch.float32).to(ctx.b_dtype)
+        return dx, dw, db, None, None, None, None
+
+
+# ---------------------------------------------------------------------------------------------
+# NVFP4 (emulated)
+# ---------------------------------------------------------------------------------------------
+
+
+def _nvfp4_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """FP32 ``a @ b`` with autocast off (it would turn the emulation into a BF16 GEMM)."""
+    with torch.autocast(device_type=a.device.type, enabled=False):
+        return a.float() @ b.float()
+
+
+def _nvfp4_forward(x2d, w_t: NVFP4Tensor, bias, four_over_six: bool, out_dtype: torch.dtype):
+    # Y [M, N] = deq(X_q) [M, K] (1x16 blocks, per-token outer) @ deq(W_q)ᵀ [K, N] (per-tensor outer)
+    x_t = quantize_nvfp4(x2d, outer="token", four_over_six=four_over_six)
+    y = _nvfp4_matmul(dequantize_nvfp4(x_t), dequantize_nvfp4(w_t).t())
+    return _add_bias(y, bias, out_dtype), x_t
+
+
+class _NVFP4LinearFunction(torch.autograd.Function):
+    """Emulated NVFP4 linear. ``dequantized`` backward saves the NVFP4 operands (4-bit codes + scales);
+    ``high_precision`` saves X and W as given."""
+
+    @staticmethod
+    def forward(ctx, x2d, weight, bias, w_data, w_bscale, w_outer, four_over_six, backward, out_dtype):
+        w_t = NVFP4Tensor(w_data, w_bscale, w_outer, tuple(weight.shape))
+        y, x_t = _nvfp4_forward(x2d, w_t, bias, four_over_six, out_dtype)
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if backward == "dequantized":
+            x_saved = x_t.tensors() if need_dw else (None, None, None)
+            w_saved = w_t.tensors() if need_dx else (None, None, None)
+        else:
+            x_saved = (x2d if need_dw else None, None, None)
+            w_saved = (weight if need_dx else None, None, None)
+        ctx.save_for_backward(*x_saved, *w_saved)
+        ctx.backward_mode = backward
+        ctx.x_shape, ctx.w_shape = tuple(x2d.shape), tuple(weight.shape)
+        ctx.x_dtype, ctx.w_dtype = x2d.dtype, weight.dtype
+        ctx.b_dtype = bias.dtype if bias is not None else None
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        xd, xb, xo, wd, wb, wo = ctx.saved_tensors
+        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+        dx = dw = db = None
+        if ctx.backward_mode == "dequantized":
+            x_op = dequantize_nvfp4(NVFP4Tensor(xd, xb, xo, ctx.x_shape)) if need_dw else None
+            w_op = dequantize_nvfp4(NVFP4Tensor(wd, wb, wo, ctx.w_shape)) if need_dx else None
+        else:  # high precision: the operands as they came in (BF16 normally)
+            x_op, w_op = xd, wd
+        if need_dx:
+            # grad_input: dX [M, K] = dY [M, N] @ W_op [N, K]
+            dx = _nvfp4_matmul(dy, w_op).to(ctx.x_dtype)
+        if need_dw:
+            # grad_weight: dW [N, K] = dYᵀ [N, M] @ X_op [M, K]
+            dw = _nvfp4_matmul(dy.t(), x_op).to(ctx.w_dtype)
+        if need_db:
+            db = dy.sum(dim=0, dtype=torch.float32).to(ctx.b_dtype)
+        return dx, dw, db, None, None, None, None, None, None
+
+
+# ---------------------------------------------------------------------------------------------
+# The module
+# ---------------------------------------------------------------------------------------------
+
+
+def _weight_quant_key(recipe: Recipe) -> tuple:
+    # Recipes that differ only in their backward share one quantized weight.
+    if isinstance(recipe, FP8Recipe):
+        return ("fp8", recipe.scale_format)
+    return ("nvfp4", recipe.four_over_six)
+
+
+class QuantLinear(nn.Linear):
+    """``nn.Linear`` with one recipe per precision phase (``.recipes = {"train": …, "rollout": …}``).
+
+    Build it with :meth:`from_linear` (shares the Parameters) or through ``quantize_model``. Under a
+    ``bf16`` recipe ``forward`` is exactly ``F.linear(x, weight, bias)``. Otherwise: input
+    ``[*, K]`` in FP32/BF16/FP16, output in the input's dtype (the autocast dtype under autocast),
+    bias added in FP32 after the GEMM, gradients in the dtype of what they belong to.
+
+    ``weight_quantizations`` counts how many times this layer quantized its weight (cache misses).
+    """
+
+    recipes: dict[str, Recipe]
+    weight_quantizations: int
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, recipes: Mapping[str, RecipeLike]) -> QuantLinear:
+        """Wrap ``linear``'s own ``weight`` / ``bias`` Parameters (no copy, no re-initialisation)."""
+        if not isinstance(linear, nn.Linear):
+            raise ValueError(f"expected an nn.Linear; got {type(linear).__name__}.")
+        if linear.weight.dim() != 2:
+            raise ValueError(f"Linear weight must be 2-D [out_features, in_features]; got shape {tuple(linear.weight.shape)}.")
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.register_parameter("bias", linear.bias)  # None stays a registered empty slot, as in nn.Linear
+        self.train(linear.training)
+        self._weight_cache = {}
+        self.weight_quantizations = 0
+        self.set_recipes(**dict(recipes))
+        return self
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None,
+                 *, train: RecipeLike = "fp8", rollout: RecipeLike = "fp8") -> None:
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self._weight_cache = {}
+        self.weight_quantizations = 0
+        self.set_recipes(train=train, rollout=rollout)
+
+    def set_recipes(self, train: Optional[RecipeLike] = None, rollout: Optional[RecipeLike] = None) -> None:
+        """Replace the recipe of one or both phases (names or Recipe instances); clears the weight cache."""
+        recipes = dict(getattr(self, "recipes", {}))
+        for phase, spec in zip(PHASES, (train, rollout)):
+            if spec is not None:
+                recipes[phase] = get_recipe(spec)
+        missing = [p for p in PHASES if p not in recipes]
+        if missing:
+            raise ValueError(f"QuantLinear needs a recipe for every phase; missing: {', '.join(missing)}.")
+        if any(r.quantized for r in recipes.values()) and self.weight.dtype not in _FLOAT_DTYPES:
+            raise ValueError(
+                f"cannot quantize a {self.weight.dtype} weight; allowed dtypes: {_dtype_names(_FLOAT_DTYPES)}."
+            )
+        self.recipes = recipes
+        self._weight_cache = {}
+
+    def to_linear(self) -> nn.Linear:
+        """A plain ``nn.Linear`` holding the same Parameters (the inverse of :meth:`from_linear`)."""
+        linear = nn.Linear.__new__(nn.Linear)
+        nn.Module.__init__(linear)
+        linear.in_features, linear.out_features = self.in_features, self.out_features
+        linear.weight = self.weight
+        linear.register_parameter("bias", self.bias)
+        linear.train(self.training)
+        return linear
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, train={self.recipes['train']}, rollout={self.recipes['rollout']}"
+
+    # -- weight cache ---------------------------------------------------------------------------
+
+    def _state_key(self) -> Optional[tuple]:
+        w = self.weight
+        try:
+            version = w._version
+        except RuntimeError:  # an inference tensor has no version counter: never cache it
+            return None
+        return (_generation, version, w.data_ptr(), w.dtype, w.device, tuple(w.shape))
+
+    def _quantize_weight(self, recipe: Recipe) -> tuple[torch.Tensor, ...]:
+        w = self.weight.detach()
+        if isinstance(recipe, FP8Recipe):
+            return weight_quant_fp8(w, recipe.scale_format)
+        return quantize_nvfp4(w, outer="tensor", four_over_six=recipe.four_over_six).tensors()
+
+    def quantized_weight(self, recipe: Recipe) -> tuple[torch.Tensor, ...]:
+        """The quantized weight for ``recipe`` (FP8: ``(q, s_inv)``; NVFP4: ``(data, block_scale, outer)``)."""
+        qkey, state = _weight_quant_key(recipe), self._state_key()
+        hit = self._weight_cache.get(qkey)
+        if state is not None and hit is not None and hit[0] == state:
+            return hit[1]
+        # Normal tensors even inside inference_mode, so a cache filled during a rollout can be
+        # saved for backward by the next training step; no autograd graph either way.
+        with torch.inference_mode(False), torch.no_grad():
+            tensors = self._quantize_weight(recipe)
+        self.weight_quantizations += 1
+        if state is not None:
+            self._weight_cache[qkey] = (state, tensors)
+        return tensors
+
+    # -- forward --------------------------------------------------------------------------------
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        phase = current_phase()
+        recipe = self.recipes[phase]
+        record_gemm(phase, recipe.name)
+        if not recipe.quantized:
+            return F.linear(x, self.weight, self.bias)
+        if x.dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"QuantLinear input must be one of {_dtype_names(_FLOAT_DTYPES)}; got {x.dtype}.")
+        if x.dim() < 1 or x.shape[-1] != self.in_features:
+            raise ValueError(f"QuantLinear expects input [*, {self.in_features}]; got shape {tuple(x.shape)}.")
+        if torch.is_autocast_enabled(x.device.type):  # match nn.Linear under autocast
+            x = x.to(torch.get_autocast_dtype(x.device.type))
+        x2d = x.reshape(-1, self.in_features)
+        y2d = self._forward_2d(x2d, recipe)
+        return y2d.reshape(*x.shape[:-1], self.out_features)
+
+    def _forward_2d(self, x2d: torch.Tensor, recipe: Recipe) -> torch.Tensor:
+        w, b, out_dtype = self.weight, self.bias, x2d.dtype
+        tensors = self.quantized_weight(recipe)
+        grad = _needs_autograd(x2d, w, b)
+        if isinstance(recipe, FP8Recipe):
+            w_q, w_s = tensors
+            if grad:
+                return _FP8LinearFunction.apply(x2d, w, b, w_q, w_s, recipe.scale_format, out_dtype)
+            return _fp8_forward(x2d, w_q, w_s, b, recipe.scale_format, out_dtype)[0]
+        if not isinstance(recipe, NVFP4Recipe):
+            raise ValueError(f"QuantLinear does not know how to run recipe {recipe!r}.")
+        if grad:
+            return _NVFP4LinearFunction.apply(x2d, w, b, *tensors, recipe.four_over_six, recipe.backward, out_dtype)
+        w_t = NVFP4Tensor(*tensors, tuple(w.shape))
+        return _nvfp4_forward(x2d, w_t, b, recipe.four_over_six, out_dtype)[0]
