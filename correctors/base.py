@@ -55,7 +55,12 @@ def _weight_sums(weights: Tensor, valid: Tensor, dtype: torch.dtype) -> dict[str
 
 
 class Corrector(ABC):
-    """Base class. Subclasses implement :meth:`compute_weights`; ``__call__`` does the rest."""
+    """Base class. Subclasses implement :meth:`compute_weights`; ``__call__`` does the rest.
+
+    ``__call__`` returns a :class:`Correction` (metrics as floats, one host sync).
+    :meth:`weights_and_sums` returns only the weights and the sums and never syncs; follow it with
+    :func:`metrics_from_sums` (after an all-reduce, if any) when you want the figures.
+    """
 
     name: ClassVar[str] = "custom"
     needs_advantages: ClassVar[bool] = False
@@ -68,21 +73,14 @@ class Corrector(ABC):
         the :func:`reduce_op` naming rule (``*_max``/``*_min`` or summed) to gather correctly.
         """
 
-    def __call__(
+    def weights_and_sums(
         self,
         train_logps: Tensor,
         rollout_logps: Tensor,
         mask: Tensor,
         advantages: Tensor | None = None,
-    ) -> Correction:
-        """Weights and metrics for one batch.
-
-        Args:
-            train_logps: ``(B, T)`` log-probs of the sampled tokens under the training policy.
-            rollout_logps: ``(B, T)`` the same under the policy that sampled them.
-            mask: ``(B, T)`` completion mask, bool or 0/1 (non-zero = valid).
-            advantages: ``(B,)``, ``(B, 1)`` or ``(B, T)``; needed by AIS only.
-        """
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """Weights ``(B, T)`` float32 and the additive sums, with no host sync (see ``__call__``)."""
         if advantages is None and self.needs_advantages:
             raise ValueError(f"corrector {self.name!r} needs advantages ([B] or [B, T]); got None")
         with torch.no_grad():
@@ -95,5 +93,23 @@ class Corrector(ABC):
                 **_weight_sums(weights, batch.valid, batch.log_ratio.dtype),
                 **own_sums,
             }
-            tensors = metric_tensors_from_sums(sums)
+        return weights, sums
+
+    def __call__(
+        self,
+        train_logps: Tensor,
+        rollout_logps: Tensor,
+        mask: Tensor,
+        advantages: Tensor | None = None,
+    ) -> Correction:
+        """Weights and metrics for one batch (one host sync, to turn the metrics into floats).
+
+        Args:
+            train_logps: ``(B, T)`` log-probs of the sampled tokens under the training policy.
+            rollout_logps: ``(B, T)`` the same under the policy that sampled them.
+            mask: ``(B, T)`` completion mask, bool or 0/1 (non-zero = valid).
+            advantages: ``(B,)``, ``(B, 1)`` or ``(B, T)``; needed by AIS only.
+        """
+        weights, sums = self.weights_and_sums(train_logps, rollout_logps, mask, advantages)
+        tensors = metric_tensors_from_sums(sums)
         return Correction(weights=weights, metrics=to_floats(tensors), metric_tensors=tensors, sums=sums)

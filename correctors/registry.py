@@ -11,13 +11,13 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from .ais import AISCorrector
-from .base import Corrector
+from .base import Correction, Corrector
 from .is_family import ISCorrector, MISCorrector, NoCorrector, TISCorrector
 
 __all__ = ["register_corrector", "get_corrector", "available_correctors"]
 
 _REGISTRY: dict[str, type[Corrector]] = {}
-C = TypeVar("C", bound=type[Corrector])
+_C = TypeVar("_C", bound=type[Corrector])
 
 
 def _normalise(name: object) -> str:
@@ -26,7 +26,7 @@ def _normalise(name: object) -> str:
     return name.strip().lower()
 
 
-def register_corrector(name: str, cls: C | None = None, *, overwrite: bool = False) -> Any:
+def register_corrector(name: str, cls: _C | None = None, *, overwrite: bool = False) -> Any:
     """Register ``cls`` (a :class:`Corrector` subclass) under ``name``.
 
     Usable as a call, ``register_corrector("mine", MyCorrector)``, or as a decorator,
@@ -34,7 +34,7 @@ def register_corrector(name: str, cls: C | None = None, *, overwrite: bool = Fal
     """
     key = _normalise(name)
 
-    def _register(klass: C) -> C:
+    def _register(klass: _C) -> _C:
         if not (inspect.isclass(klass) and issubclass(klass, Corrector)):
             raise ValueError(f"register_corrector needs a Corrector subclass; got {klass!r}")
         if key in _REGISTRY and not overwrite and _REGISTRY[key] is not klass:
@@ -65,10 +65,14 @@ def _check_params(key: str, cls: type[Corrector], params: dict[str, Any]) -> Non
         )
 
 
-def get_corrector(name_or_instance: str | Corrector | Callable[..., Any] | None, **params: Any) -> Any:
+def get_corrector(
+    name_or_instance: str | Corrector | Callable[..., Correction] | None, **params: Any
+) -> Corrector | Callable[..., Correction]:
     """Resolve a corrector: a registered name (+ its parameters), or an instance passed through.
 
-    ``None`` means ``"none"``. Unknown names and parameters raise ``ValueError`` listing what exists.
+    ``None`` means ``"none"``. Any callable instance with the corrector signature that returns a
+    :class:`Correction` passes through too. Unknown names and parameters raise ``ValueError``
+    listing what exists.
     """
     if name_or_instance is None:
         name_or_instance = "none"

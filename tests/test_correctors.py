@@ -124,6 +124,15 @@ def test_weights_by_hand(name, level, params, weights, frac):
         assert m[f"corrector/{frac[0]}"] == pytest.approx(frac[1])
 
 
+def test_geometric_level_divides_by_each_rows_own_token_count():
+    # row 0: one valid token (log ρ = 0.6); row 1: two (0.2, -0.8) → mean -0.3
+    train = torch.tensor([[0.6, 9.0, 9.0], [0.2, -0.8, 9.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 0, 0], [1, 1, 0]])
+    out = get_corrector("is", level="geometric")(train, torch.zeros_like(train), mask, None)
+    assert out.weights.tolist()[0][0] == pytest.approx(math.exp(0.6), rel=1e-6)
+    assert out.weights.tolist()[1][:2] == pytest.approx([math.exp(-0.3)] * 2, rel=1e-6)
+
+
 def test_weights_are_float32_detached_and_on_the_input_device():
     train, rollout, mask, adv = batch()
     train = train.float().requires_grad_(True)
@@ -398,7 +407,6 @@ def test_reduce_ops_are_declared_for_every_sum_key():
 
 
 def test_merge_sums_rejects_mismatched_keys():
-    train, rollout, mask, adv = batch()
     with pytest.raises(ValueError, match="same keys"):
         merge_sums(run("tis").sums, run("mis").sums)
     with pytest.raises(ValueError, match="at least one"):
@@ -506,3 +514,33 @@ def test_register_custom_corrector(scratch_registry):
         pass
 
     assert isinstance(get_corrector("half-deco"), Deco)
+
+
+# ---------------------------------------------------------------- GPU: no host sync
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("level", ["token", "sequence", "geometric"])
+def test_weights_and_sums_make_no_host_sync_on_cuda(name, level):
+    from jetrl_trainer.correctors import metric_tensors_from_sums
+
+    train, rollout, mask, adv = (x.cuda() for x in batch())
+    corr = get_corrector(name, **({} if name == "none" else {"level": level}))
+    corr(train, rollout, mask, adv)  # warm-up outside the check (lazy CUDA init may sync)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        weights, sums = corr.weights_and_sums(train, rollout, mask, adv)
+        tensors = metric_tensors_from_sums(sums)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert weights.is_cuda and all(t.is_cuda for t in tensors.values())
+    cpu = corr(*(x.cpu() for x in (train, rollout, mask, adv)))
+    torch.testing.assert_close(weights.cpu(), cpu.weights, rtol=1e-6, atol=0)  # GPU exp/sum order differ
+    assert {k: t.item() for k, t in tensors.items()} == pytest.approx(cpu.metrics, rel=1e-9, abs=1e-12)
+
+
+def test_weights_and_sums_matches_call():
+    corr = AISCorrector(gamma=0.5)
+    weights, sums = corr.weights_and_sums(*batch())
+    out = corr(*batch())
+    assert torch.equal(weights, out.weights) and metrics_from_sums(sums) == out.metrics
