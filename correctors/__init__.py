@@ -4,6 +4,7 @@
     out = corrector(train_logps, rollout_logps, mask, advantages)   # -> Correction
     per_token_loss = per_token_loss * out.weights                    # weights: (B, T) float32
 
+Sync-free: ``weights, sums = corrector.weights_and_sums(...)``.
 Across processes: reduce ``out.sums`` key by key with :func:`reduce_op` (``*_max`` → max, ``*_min``
 → min, the rest → sum) and call :func:`metrics_from_sums` for exact global metrics.
 See docs/correctors.md for formulas, defaults and metric names.
