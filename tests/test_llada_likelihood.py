@@ -1,0 +1,234 @@
+"""LLaDA likelihood: one-step mean-field estimator, mask seeds, mask rates, batch invariance, registry."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from jetrl_trainer.diffusion import (
+    LikelihoodEstimator,
+    available_estimators,
+    build_tiny_llada,
+    get_estimator,
+    mask_seeds_for_step,
+    mean_field_logps,
+    register_estimator,
+)
+from jetrl_trainer.diffusion import likelihood
+from jetrl_trainer.diffusion.likelihood import _mix32, mask_prompt_tokens, token_logps
+
+VOCAB, MASK, PAD = 40, 39, 0
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_tiny_llada(vocab_size=VOCAB, mask_token_id=MASK, pad_token_id=PAD, seed=2).eval()
+
+
+class Recorder(torch.nn.Module):
+    """Wraps a model and keeps the inputs of its last call."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.inner, self.config, self.calls = model, model.config, []
+
+    def forward(self, input_ids, **kwargs):
+        self.calls.append((input_ids.clone(), kwargs))
+        return self.inner(input_ids, **kwargs)
+
+
+def batch(B=6, P=10, T=7, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(1, MASK, (B, P), generator=g)
+    prompt_mask = torch.ones(B, P, dtype=torch.long)
+    for i in range(B):
+        prompt_mask[i, : i % 4] = 0  # left padding of 0..3
+    prompt = prompt.masked_fill(prompt_mask == 0, PAD)
+    completion = torch.randint(1, MASK, (B, T), generator=g)
+    completion_mask = torch.ones(B, T, dtype=torch.long)
+    completion_mask[0, 5:] = 0
+    return prompt, prompt_mask, completion, completion_mask
+
+
+def masks_of(prompt, prompt_mask, completion, completion_mask, seed, p=0.5):
+    return mask_prompt_tokens(prompt, prompt_mask, completion, completion_mask, mask_seed=seed, p_mask_prompt=p)
+
+
+# -- seeds ----------------------------------------------------------------------------------------------
+
+
+def test_mask_seeds_are_reproducible_and_distinct_per_iteration_and_step():
+    seeds = mask_seeds_for_step(42, generation_step=3, num_iterations=4)
+    assert seeds == mask_seeds_for_step(42, generation_step=3, num_iterations=4)
+    assert len(set(seeds)) == 4
+    assert not set(seeds) & set(mask_seeds_for_step(42, generation_step=4, num_iterations=4))
+    assert not set(seeds) & set(mask_seeds_for_step(43, generation_step=3, num_iterations=4))
+    assert mask_seeds_for_step(42, 3, 2) == seeds[:2]  # iteration i's seed does not depend on the count
+    with pytest.raises(ValueError, match="num_iterations"):
+        mask_seeds_for_step(0, 0, 0)
+
+
+def test_mix32_is_exact_32bit_arithmetic():
+    x = torch.tensor([0, 1, 0xFFFFFFFF, 123456789], dtype=torch.int64)
+
+    def lowbias32(v):  # the same hash in plain Python integers
+        v ^= v >> 16
+        v = (v * 0x7FEB352D) & 0xFFFFFFFF
+        v ^= v >> 15
+        v = (v * 0x846CA68B) & 0xFFFFFFFF
+        return v ^ (v >> 16)
+
+    assert _mix32(x).tolist() == [lowbias32(int(v)) for v in x]
+
+
+# -- masking ----------------------------------------------------------------------------------------
+
+
+def test_completion_fully_masked_prompt_partly_padding_never(model):
+    prompt, prompt_mask, completion, completion_mask = batch()
+    rec = Recorder(model)
+    mean_field_logps(rec, prompt, prompt_mask, completion, completion_mask, mask_seed=5, p_mask_prompt=0.5)
+    (input_ids, kwargs), = rec.calls
+    P = prompt.shape[1]
+    assert (input_ids[:, P:] == MASK).all()
+    padding = prompt_mask == 0
+    assert torch.equal(input_ids[:, :P][padding], prompt[padding])
+    masked = input_ids[:, :P] == MASK
+    assert masked.any() and (~masked & prompt_mask.bool()).any()
+    assert torch.equal(input_ids[:, :P][~masked], prompt[~masked])  # unmasked tokens are untouched
+    assert torch.equal(kwargs["attention_mask"], torch.cat([prompt_mask, torch.ones_like(completion_mask)], 1))
+    assert kwargs["logits_to_keep"] == completion.shape[1]
+
+
+@pytest.mark.parametrize("p", [0.0, 0.15, 0.3, 0.7, 1.0])
+def test_empirical_prompt_mask_rate(p):
+    prompt, prompt_mask, completion, completion_mask = batch(B=64, P=64, seed=1)
+    masked = masks_of(prompt, prompt_mask, completion, completion_mask, seed=11, p=p)
+    real = prompt_mask.bool()
+    rate = masked[real].float().mean().item()
+    assert not masked[~real].any()
+    assert abs(rate - p) < 0.02  # ~4000 real tokens: binomial sigma <= 0.008
+    if p in (0.0, 1.0):
+        assert rate == p
+
+
+def test_same_seed_same_mask_across_calls_order_chunking_and_padding():
+    prompt, prompt_mask, completion, completion_mask = batch()
+    m = masks_of(prompt, prompt_mask, completion, completion_mask, seed=3)
+    assert torch.equal(m, masks_of(prompt, prompt_mask, completion, completion_mask, seed=3))
+    # shuffled rows (TRL shuffles the rollout batch before training passes)
+    perm = torch.tensor([4, 0, 5, 2, 1, 3])
+    shuffled = masks_of(prompt[perm], prompt_mask[perm], completion[perm], completion_mask[perm], seed=3)
+    assert torch.equal(shuffled, m[perm])
+    # a micro-batch on its own
+    assert torch.equal(masks_of(prompt[2:4], prompt_mask[2:4], completion[2:4], completion_mask[2:4], seed=3), m[2:4])
+    # more left padding
+    pad = torch.zeros(6, 3, dtype=torch.long)
+    padded = masks_of(torch.cat([pad, prompt], 1), torch.cat([pad, prompt_mask], 1), completion, completion_mask, seed=3)
+    assert torch.equal(padded[:, 3:], m) and not padded[:, :3].any()
+
+
+def test_different_seeds_and_rows_get_different_masks():
+    prompt, prompt_mask, completion, completion_mask = batch(B=8, P=32)
+    seeds = mask_seeds_for_step(0, 0, 3)
+    masks = [masks_of(prompt, prompt_mask, completion, completion_mask, seed=s) for s in seeds]
+    assert not torch.equal(masks[0], masks[1]) and not torch.equal(masks[1], masks[2])
+    # identical prompts with different completions (a GRPO group) still get different masks, as in d1
+    same_prompt = prompt[:1].expand(8, -1)
+    group = masks_of(same_prompt, prompt_mask[:1].expand(8, -1), completion, completion_mask, seed=seeds[0])
+    assert len({tuple(r.tolist()) for r in group}) > 1
+
+
+def test_tokens_after_eos_do_not_change_the_mask():
+    prompt, prompt_mask, completion, completion_mask = batch()
+    other = completion.clone()
+    other[0, 5:] = 1  # only where completion_mask == 0
+    assert torch.equal(masks_of(prompt, prompt_mask, completion, completion_mask, seed=9),
+                       masks_of(prompt, prompt_mask, other, completion_mask, seed=9))
+
+
+# -- log-probs ------------------------------------------------------------------------------------------
+
+
+def test_logps_equal_a_direct_computation_with_temperature(model):
+    prompt, prompt_mask, completion, completion_mask = batch()
+    temperature = 0.7
+    with torch.no_grad():
+        logps = mean_field_logps(model, prompt, prompt_mask, completion, completion_mask, mask_seed=4,
+                                 temperature=temperature, p_mask_prompt=0.3)
+        masked = masks_of(prompt, prompt_mask, completion, completion_mask, seed=4, p=0.3)
+        inputs = torch.cat([prompt.masked_fill(masked, MASK), torch.full_like(completion, MASK)], 1)
+        attn = torch.cat([prompt_mask, torch.ones_like(completion_mask)], 1)
+        logits = model(inputs, attention_mask=attn).logits[:, prompt.shape[1]:]
+        expected = torch.log_softmax(logits / temperature, -1).gather(-1, completion[..., None]).squeeze(-1)
+    assert logps.shape == completion.shape and logps.dtype == torch.float32
+    torch.testing.assert_close(logps, expected, rtol=1e-5, atol=1e-5)
+    assert (logps <= 0).all()
+
+
+def test_same_seed_gives_same_logps_and_another_seed_different(model):
+    args = batch()
+    with torch.no_grad():
+        a = mean_field_logps(model, *args, mask_seed=1)
+        b = mean_field_logps(model, *args, mask_seed=1)
+        c = mean_field_logps(model, *args, mask_seed=2)
+    assert torch.equal(a, b)
+    assert not torch.allclose(a, c)
+
+
+def test_a_rows_logps_do_not_depend_on_its_batch(model):
+    prompt, prompt_mask, completion, completion_mask = batch()
+    with torch.no_grad():
+        full = mean_field_logps(model, prompt, prompt_mask, completion, completion_mask, mask_seed=8)
+        for i in range(prompt.shape[0]):
+            keep = prompt_mask[i].bool()
+            alone = mean_field_logps(model, prompt[i, keep][None], prompt_mask[i, keep][None],
+                                     completion[i][None], completion_mask[i][None], mask_seed=8)
+            torch.testing.assert_close(alone[0], full[i], rtol=1e-4, atol=1e-4)
+
+
+def test_gradients_flow(model):
+    model.zero_grad()
+    logps = mean_field_logps(model, *batch(), mask_seed=0)
+    logps.sum().backward()
+    assert model.model.transformer.blocks[0].q_proj.weight.grad.abs().sum() > 0
+
+
+def test_token_logps_matches_log_softmax_in_bf16():
+    logits = torch.randn(3, 5, 11).bfloat16()
+    ids = torch.randint(0, 11, (3, 5))
+    expected = torch.log_softmax(logits.float() / 2.0, -1).gather(-1, ids[..., None]).squeeze(-1)
+    torch.testing.assert_close(token_logps(logits, ids, 2.0), expected)
+    with pytest.raises(ValueError, match="temperature"):
+        token_logps(logits, ids, 0.0)
+
+
+def test_bad_inputs_raise(model):
+    prompt, prompt_mask, completion, completion_mask = batch()
+    with pytest.raises(ValueError, match="p_mask_prompt"):
+        mean_field_logps(model, prompt, prompt_mask, completion, completion_mask, mask_seed=0, p_mask_prompt=1.5)
+    with pytest.raises(ValueError, match="same B"):
+        mean_field_logps(model, prompt[:2], prompt_mask[:2], completion, completion_mask, mask_seed=0)
+    with pytest.raises(ValueError, match="shapes"):
+        mean_field_logps(model, prompt, prompt_mask[:, 1:], completion, completion_mask, mask_seed=0)
+
+
+# -- registry -------------------------------------------------------------------------------------------
+
+
+def test_registry(monkeypatch):
+    monkeypatch.setattr(likelihood, "_REGISTRY", dict(likelihood._REGISTRY))  # keep the global registry clean
+    assert get_estimator("mean_field") is mean_field_logps
+    assert "mean_field" in available_estimators()
+    assert isinstance(mean_field_logps, LikelihoodEstimator)
+    with pytest.raises(ValueError, match="mean_field"):
+        get_estimator("elbo_128")
+
+    def custom(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *, mask_seed, **kw):
+        return torch.zeros(completion_ids.shape)
+
+    assert get_estimator(custom) is custom
+    register_estimator("zeros_for_test")(custom)
+    assert get_estimator("zeros_for_test") is custom
+    with pytest.raises(ValueError, match="already registered"):
+        register_estimator("mean_field")(custom)
