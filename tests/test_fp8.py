@@ -1,0 +1,158 @@
+"""FP8 E4M3 reference quantizers (quant/fp8.py) against hand-computed values."""
+
+import math
+
+import pytest
+import torch
+
+from jetrl_trainer.quant.fp8 import (
+    FP8_DTYPE,
+    FP8_MAX,
+    _to_fp8,
+    dequantize_fp8_blocks,
+    dequantize_fp8_groups,
+    fp8_scale_from_amax,
+    quantize_fp8_blocks,
+    quantize_fp8_groups,
+)
+
+
+def _group_with_unit_scale(values):
+    """A 128-group whose amax is 448, so its scale is exactly 1 and q == round(x)."""
+    x = torch.zeros(128)
+    x[0] = 448.0
+    x[1 : 1 + len(values)] = torch.tensor(values)
+    return x
+
+
+def test_unit_scale_and_exact_values():
+    q, s = quantize_fp8_groups(_group_with_unit_scale([1.0, -3.5, 0.5]).unsqueeze(0))
+    assert s.shape == (1, 1) and s.item() == 1.0
+    assert q.dtype == FP8_DTYPE
+    assert q.float()[0, :4].tolist() == [448.0, 1.0, -3.5, 0.5]
+
+
+def test_round_to_nearest_even_including_ties():
+    # E4M3 spacing: 0.125 on [1, 2), 2 on [16, 32), 32 on [256, 448], subnormal step 2^-9.
+    values = [1.0625, 1.1875, 1.07, 17.0, 19.0, 272.0, 304.0, 2.0**-10, 3 * 2.0**-10]
+    expect = [1.0, 1.25, 1.125, 16.0, 20.0, 256.0, 320.0, 0.0, 2.0**-8]
+    q, _ = quantize_fp8_groups(_group_with_unit_scale(values).unsqueeze(0))
+    assert q.float()[0, 1 : 1 + len(values)].tolist() == expect
+
+
+def test_amax_maps_to_448_and_saturation():
+    torch.manual_seed(0)
+    x = torch.randn(64, 256) * torch.logspace(-6, 6, 64).unsqueeze(1)
+    q, s = quantize_fp8_groups(x)
+    # The largest element of every group lands exactly on ±448 — never past it, never NaN.
+    assert torch.equal(q.float().abs().unflatten(-1, (2, 128)).amax(-1), torch.full((64, 2), FP8_MAX))
+    # The saturating cast itself: beyond ±448 clamps, NaN stays NaN.
+    sat = _to_fp8(torch.tensor([500.0, -1e6, 449.0, float("nan")])).float()
+    assert sat[:3].tolist() == [448.0, -448.0, 448.0] and math.isnan(sat[3].item())
+
+
+def test_divides_by_scale():
+    # amax 3 -> s = 3/448; q = x / s, not x * (1/s).
+    x = torch.tensor([[3.0, 1.0, -2.0]])
+    q, s = quantize_fp8_groups(x)
+    assert s.item() == torch.tensor(3.0) / 448
+    expected = (x / s).to(FP8_DTYPE)
+    assert torch.equal(q.view(torch.uint8), expected.view(torch.uint8))
+    assert q.float()[0].tolist() == [448.0, 144.0, -288.0]
+
+
+def test_ragged_group_tail_uses_its_own_amax():
+    x = torch.zeros(2, 130)
+    x[:, :128] = 448.0
+    x[0, 128:] = torch.tensor([1.0, -2.0])
+    q, s = quantize_fp8_groups(x)
+    assert q.shape == (2, 130) and s.shape == (2, 2)
+    assert s[0, 1].item() == torch.tensor(2.0) / 448
+    assert q.float()[0, 128:].tolist() == [224.0, -448.0]
+    assert torch.allclose(dequantize_fp8_groups(q, s)[0, 128:], torch.tensor([1.0, -2.0]))
+
+
+def test_ragged_block_tail_uses_its_own_amax():
+    w = torch.zeros(130, 3)
+    w[:128] = 1.0
+    w[128, 0], w[129, 2] = 7.0, -0.5
+    q, s_inv = quantize_fp8_blocks(w)
+    assert q.shape == (130, 3) and s_inv.shape == (2, 1)
+    assert s_inv[0, 0].item() == torch.tensor(1.0) / 448 and s_inv[1, 0].item() == torch.tensor(7.0) / 448
+    assert q.float()[128, 0].item() == 448.0 and q.float()[129, 2].item() == -32.0
+    assert torch.allclose(dequantize_fp8_blocks(q, s_inv), w, rtol=0.07)
+
+
+def test_block_scales_cover_128x128_tiles():
+    w = torch.ones(256, 256)
+    w[200, 10] = 896.0  # tile (1, 0) only
+    q, s_inv = quantize_fp8_blocks(w)
+    assert torch.equal(s_inv, torch.tensor([[1.0, 1.0], [896.0, 1.0]]) / 448)
+    assert q.float()[200, 10].item() == 448.0 and q.float()[129, 0].item() == 0.5
+
+
+def test_all_zero_group_is_zero_not_nan():
+    q, s = quantize_fp8_groups(torch.zeros(3, 200))
+    assert s.eq(torch.tensor(1e-10) / 448).all()
+    assert q.float().eq(0).all()
+    assert dequantize_fp8_groups(q, s).eq(0).all()
+    qb, sb = quantize_fp8_blocks(torch.zeros(5, 7))
+    assert qb.float().eq(0).all() and torch.isfinite(sb).all()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_propagates_to_its_group_only(bad):
+    x = torch.ones(2, 256)
+    x[0, 5] = bad
+    deq = dequantize_fp8_groups(*quantize_fp8_groups(x))
+    assert not torch.isfinite(deq[0, :128]).any()  # the poisoned group: never a finite number
+    assert torch.equal(deq[0, 128:], torch.ones(128)) and torch.equal(deq[1], torch.ones(256))
+    w = torch.ones(256, 256)
+    w[3, 3] = bad
+    deqw = dequantize_fp8_blocks(*quantize_fp8_blocks(w))
+    assert not torch.isfinite(deqw[:128, :128]).any() and torch.isfinite(deqw[128:]).all()
+
+
+def test_ue8m0_rounds_scale_up_to_power_of_two():
+    amax = torch.tensor([448.0, 449.0, 300.0, 224.0, 0.0])
+    s = fp8_scale_from_amax(amax, "ue8m0")
+    assert s[:4].tolist() == [1.0, 2.0, 1.0, 0.5]
+    assert s[4].item() == 2.0 ** math.ceil(math.log2(1e-10 / 448))
+    q, sg = quantize_fp8_groups(torch.tensor([[300.0, 1.5]]), scale_format="ue8m0")
+    assert sg.item() == 1.0 and q.float()[0].tolist() == [288.0, 1.5]  # 300 -> 288 (step 32, nearest)
+
+
+def test_round_trip_error_is_small():
+    torch.manual_seed(1)
+    x = torch.randn(17, 300)
+    rel = (dequantize_fp8_groups(*quantize_fp8_groups(x)) - x).norm() / x.norm()
+    assert 0 < rel < 0.04
+    w = torch.randn(130, 260)
+    relw = (dequantize_fp8_blocks(*quantize_fp8_blocks(w)) - w).norm() / w.norm()
+    assert 0 < relw < 0.04
+
+
+def test_leading_dims_and_bf16_input():
+    x = torch.randn(2, 3, 130).bfloat16()
+    q, s = quantize_fp8_groups(x)
+    assert q.shape == (2, 3, 130) and s.shape == (2, 3, 2) and s.dtype == torch.float32
+    assert torch.equal(q.view(torch.uint8), quantize_fp8_groups(x.float())[0].view(torch.uint8))
+
+
+def test_bad_input_raises_value_error():
+    with pytest.raises(ValueError, match="float32"):
+        quantize_fp8_groups(torch.ones(2, 4, dtype=torch.int32))
+    with pytest.raises(ValueError, match="float32"):
+        quantize_fp8_blocks(torch.ones(2, 4, dtype=torch.float64))
+    with pytest.raises(ValueError, match="2-D"):
+        quantize_fp8_blocks(torch.ones(2, 3, 4))
+    with pytest.raises(ValueError, match="2-D"):
+        quantize_fp8_blocks(torch.ones(4))
+    with pytest.raises(ValueError, match="fp32, ue8m0"):
+        quantize_fp8_groups(torch.ones(2, 4), scale_format="e5m2")
+    q, s = quantize_fp8_groups(torch.ones(2, 200))
+    with pytest.raises(ValueError, match="expected"):
+        dequantize_fp8_groups(q, s[:, :1])
+    qb, sb = quantize_fp8_blocks(torch.ones(200, 200))
+    with pytest.raises(ValueError, match="expected"):
+        dequantize_fp8_blocks(qb, sb.t()[:1])

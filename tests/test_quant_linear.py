@@ -1,0 +1,347 @@
+"""QuantLinear (quant/linear.py): numerics vs nn.Linear, saved tensors, phases, weight cache."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from jetrl_trainer.kernels import fp8_gemm_nt
+from jetrl_trainer.quant import (
+    FP8Recipe,
+    NVFP4Recipe,
+    QuantLinear,
+    count_quant_gemms,
+    dequantize_fp8_groups,
+    invalidate_weight_caches,
+    precision_phase,
+    quantize_fp8_blocks,
+    quantize_fp8_groups,
+)
+
+FP8 = {"train": "fp8", "rollout": "fp8"}
+RECIPES = {
+    "fp8": FP8,
+    "fp8_ue8m0": {"train": FP8Recipe(scale_format="ue8m0"), "rollout": "fp8"},
+    "nvfp4_dequantized": {"train": NVFP4Recipe(backward="dequantized"), "rollout": "nvfp4"},
+    "nvfp4_high_precision": {"train": NVFP4Recipe(backward="high_precision"), "rollout": "nvfp4"},
+}
+
+
+def _pair(n_in=200, n_out=150, dtype=torch.float32, bias=True, recipes=FP8, seed=0):
+    torch.manual_seed(seed)
+    ref = nn.Linear(n_in, n_out, bias=bias).to(dtype)
+    q = QuantLinear.from_linear(nn.Linear(n_in, n_out, bias=bias).to(dtype), recipes)
+    q.load_state_dict(ref.state_dict())
+    return ref, q
+
+
+def _cos(a, b):
+    return F.cosine_similarity(a.float().flatten(), b.float().flatten(), dim=0).item()
+
+
+def _run(module, x, dy):
+    x = x.detach().clone().requires_grad_(True)
+    y = module(x)
+    y.backward(dy)
+    grads = [x.grad, module.weight.grad] + ([module.bias.grad] if module.bias is not None else [])
+    return y, grads
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_forward_backward_close_to_nn_linear(name, dtype):
+    ref, q = _pair(dtype=dtype, recipes=RECIPES[name])
+    x = torch.randn(3, 7, 200, dtype=dtype)
+    dy = torch.randn(3, 7, 150, dtype=dtype)
+    y_ref, g_ref = _run(ref, x, dy)
+    y, g = _run(q, x, dy)
+    assert y.dtype == dtype and y.shape == (3, 7, 150)
+    assert [t.dtype for t in g] == [dtype] * 3
+    assert _cos(y, y_ref) > 0.99
+    for got, want, what in zip(g, g_ref, ("dX", "dW", "db")):
+        assert _cos(got, want) > 0.99, what
+    assert not torch.equal(y, y_ref)  # the quantized path really ran
+
+
+def test_fp8_backward_is_exactly_the_contracted_data_flow():
+    _, q = _pair(n_in=260, n_out=130, bias=False)
+    x = torch.randn(150, 260)
+    dy = torch.randn(150, 130)
+    y, (dx, dw) = _run(q, x, dy)
+    x_q, x_s = quantize_fp8_groups(x)
+    w_q, w_s = quantize_fp8_blocks(q.weight.detach())
+    assert torch.equal(y, fp8_gemm_nt((x_q, x_s), (w_q, w_s), out_dtype=torch.float32))
+    # dgrad: dY quantized 1x128 along N, times the same FP8 weight transposed with its scale grid.
+    want_dx = fp8_gemm_nt(quantize_fp8_groups(dy), (w_q.t().contiguous(), w_s.t().contiguous()), out_dtype=torch.float32)
+    assert torch.equal(dx, want_dx)
+    # wgrad: dYᵀ quantized along tokens, times the saved FP8 X re-quantized along tokens.
+    xt = quantize_fp8_groups(dequantize_fp8_groups(x_q, x_s).t().contiguous())
+    want_dw = fp8_gemm_nt(quantize_fp8_groups(dy.t().contiguous()), xt, b_granularity="group", out_dtype=torch.float32)
+    assert torch.equal(dw, want_dw)
+
+
+def _saved_tensors(module, x):
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = module(x)
+    return y, saved
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_saved_tensors_are_fp8_and_scales_only(dtype):
+    _, q = _pair(dtype=dtype)
+    x = torch.randn(4, 9, 200, dtype=dtype, requires_grad=True)
+    y, saved = _saved_tensors(q, x)
+    assert saved, "nothing saved for backward"
+    fp8 = [t for t in saved if t.dtype == torch.float8_e4m3fn]
+    scales = [t for t in saved if t.dtype == torch.float32]
+    assert len(fp8) == 2 and len(scales) == 2 and len(fp8) + len(scales) == len(saved)
+    assert sorted(tuple(t.shape) for t in fp8) == [(36, 200), (150, 200)]
+    assert sorted(tuple(t.shape) for t in scales) == [(2, 2), (36, 2)]
+    y.sum().backward()
+    assert x.grad is not None and q.weight.grad is not None
+
+
+def test_frozen_weight_saves_only_the_weight():
+    _, q = _pair()
+    q.weight.requires_grad_(False)
+    q.bias.requires_grad_(False)
+    x = torch.randn(5, 200, requires_grad=True)
+    y, saved = _saved_tensors(q, x)
+    assert [tuple(t.shape) for t in saved] == [(150, 200), (2, 2)]  # W_q and its block scales
+    y.sum().backward()
+    assert x.grad.shape == (5, 200) and q.weight.grad is None
+
+
+def test_nvfp4_dequantized_saves_4bit_codes_not_x():
+    _, q = _pair(recipes=RECIPES["nvfp4_dequantized"])
+    x = torch.randn(6, 200, requires_grad=True)
+    _, saved = _saved_tensors(q, x)
+    assert {t.dtype for t in saved} == {torch.uint8, torch.float8_e4m3fn, torch.float32}
+    assert not any(t.shape == x.shape for t in saved)
+    assert tuple(saved[0].shape) == (6, 104)  # ceil(200/16) * 8 bytes per row: two codes per byte
+
+
+def test_nvfp4_high_precision_saves_the_operands():
+    _, q = _pair(recipes=RECIPES["nvfp4_high_precision"])
+    x = torch.randn(6, 200, requires_grad=True)
+    _, saved = _saved_tensors(q, x)
+    assert any(t is x or (t.shape == x.shape and torch.equal(t, x)) for t in saved)
+
+
+def test_unified_flow_rollout_equals_train_and_weight_is_quantized_once():
+    _, q = _pair()
+    x = torch.randn(8, 200)
+    with torch.no_grad(), precision_phase("rollout"):
+        y_rollout = q(x)
+    y_train = q(x)
+    assert torch.equal(y_rollout, y_train)
+    assert q.weight_quantizations == 1
+    with torch.inference_mode(), precision_phase("rollout"):
+        assert torch.equal(q(x), y_train)
+    assert q.weight_quantizations == 1
+
+
+@pytest.mark.parametrize("optim_kw", [{"foreach": False}, {"foreach": True}, {"fused": True}])
+def test_weight_cache_invalidated_once_per_optimizer_step(optim_kw):
+    _, q = _pair()
+    opt = torch.optim.AdamW(q.parameters(), lr=1e-2, **optim_kw)
+    x = torch.randn(8, 200)
+    before = q(x)
+    before.sum().backward()
+    with precision_phase("rollout"), torch.no_grad():
+        q(x)
+    assert q.weight_quantizations == 1
+    opt.step()  # fused AdamW does not bump param._version; the step hook still invalidates
+    after = q(x)
+    with precision_phase("rollout"), torch.no_grad():
+        assert torch.equal(q(x), after)
+    assert q.weight_quantizations == 2
+    assert not torch.equal(after, before)
+
+
+def test_in_place_edits_invalidate_but_data_edits_need_an_explicit_call():
+    _, q = _pair()
+    x = torch.randn(4, 200)
+    y0 = q(x)
+    with torch.no_grad():
+        q.weight.mul_(2)  # bumps _version
+    torch.testing.assert_close(q(x), 2 * y0 - q.bias.detach(), rtol=0.02, atol=0.02)
+    assert q.weight_quantizations == 2
+    q.weight.data.mul_(0.5)  # .data bypasses the version counter
+    q(x)
+    assert q.weight_quantizations == 2
+    invalidate_weight_caches()
+    torch.testing.assert_close(q(x), y0)
+    assert q.weight_quantizations == 3
+
+
+def test_cache_filled_under_inference_mode_serves_training():
+    _, q = _pair()
+    x = torch.randn(4, 200, requires_grad=True)
+    with torch.inference_mode():
+        q(x.detach())
+    y = q(x)  # reuses the cached FP8 weight and saves it for backward
+    y.sum().backward()
+    assert q.weight_quantizations == 1 and x.grad is not None
+
+
+def test_inference_tensor_weight_is_not_cached():
+    with torch.inference_mode():
+        lin = nn.Linear(200, 150)
+        q = QuantLinear.from_linear(lin, FP8)
+        x = torch.randn(3, 200)
+        assert torch.equal(q(x), q(x))
+    assert q.weight_quantizations == 2
+
+
+def test_naive_baseline_differs_per_phase_and_trains_in_bf16():
+    ref, q = _pair(dtype=torch.bfloat16, recipes={"train": "bf16", "rollout": "fp8"})
+    x = torch.randn(8, 200, dtype=torch.bfloat16)
+    with torch.no_grad():
+        y_train = q(x)
+        with precision_phase("rollout"):
+            y_rollout = q(x)
+    assert torch.equal(y_train, ref(x))
+    assert not torch.equal(y_rollout, y_train)
+    assert _cos(y_rollout, y_train) > 0.99
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bf16_recipe_is_nn_linear_bit_for_bit(dtype):
+    ref, q = _pair(dtype=dtype, recipes={"train": "bf16", "rollout": "bf16"})
+    x = torch.randn(2, 5, 200, dtype=dtype)
+    dy = torch.randn(2, 5, 150, dtype=dtype)
+    y_ref, g_ref = _run(ref, x, dy)
+    y, g = _run(q, x, dy)
+    assert torch.equal(y, y_ref)
+    assert all(torch.equal(a, b) for a, b in zip(g, g_ref))
+    assert q.weight_quantizations == 0
+
+
+@pytest.mark.parametrize("name", ["fp8", "nvfp4_dequantized"])
+def test_batch_invariance(name):
+    _, q = _pair(n_in=300, n_out=130, recipes=RECIPES[name])
+    x = torch.randn(24, 300)
+    with torch.no_grad():
+        full = q(x)
+        rows = [0, 5, 6, 23]
+        part = q(x[rows])
+        mixed = q(torch.cat([x[rows], 1e3 * torch.randn(9, 300)]))[: len(rows)]
+    if name == "fp8":  # the emulated FP8 GEMM is batch invariant bit for bit
+        assert torch.equal(part, full[rows]) and torch.equal(mixed, full[rows])
+    else:  # NVFP4 quantization is per token; its FP32 emulation GEMM is BLAS, so only close
+        torch.testing.assert_close(part, full[rows], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(mixed, full[rows], rtol=1e-5, atol=1e-5)
+
+
+def test_no_grad_builds_no_graph_and_matches():
+    _, q = _pair()
+    x = torch.randn(4, 200, requires_grad=True)
+    with torch.no_grad():
+        y = q(x)
+    assert y.grad_fn is None and not y.requires_grad
+    assert torch.equal(y, q(x).detach())
+
+
+def test_mixed_dtypes_and_autocast():
+    _, q = _pair()  # FP32 master weights
+    x = torch.randn(3, 200, dtype=torch.bfloat16, requires_grad=True)
+    y = q(x)
+    y.float().sum().backward()
+    assert y.dtype == torch.bfloat16 and x.grad.dtype == torch.bfloat16 and q.weight.grad.dtype == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert q(torch.randn(3, 200)).dtype == torch.bfloat16
+
+
+def test_count_quant_gemms_per_phase():
+    _, q = _pair(recipes={"train": "bf16", "rollout": "fp8"})
+    x = torch.randn(2, 200)
+    with count_quant_gemms() as outer:
+        q(x)
+        with count_quant_gemms() as inner, precision_phase("rollout"):
+            q(x)
+            q(x)
+    assert inner == {("rollout", "fp8"): 2}
+    assert outer == {("train", "bf16"): 1, ("rollout", "fp8"): 2}
+
+
+def test_parameters_shared_and_state_dict_unchanged():
+    lin = nn.Linear(200, 150).bfloat16()
+    keys = {k: v.dtype for k, v in lin.state_dict().items()}
+    q = QuantLinear.from_linear(lin, FP8)
+    assert q.weight is lin.weight and q.bias is lin.bias and isinstance(q, nn.Linear)
+    assert {k: v.dtype for k, v in q.state_dict().items()} == keys
+    back = q.to_linear()
+    assert type(back) is nn.Linear and back.weight is lin.weight and back.bias is lin.bias
+    no_bias = QuantLinear.from_linear(nn.Linear(4, 3, bias=False), FP8)
+    assert no_bias.bias is None and list(no_bias.state_dict()) == ["weight"]
+
+
+def test_extra_repr_shows_recipes():
+    _, q = _pair(recipes={"train": "fp8", "rollout": "nvfp4"})
+    text = repr(q)
+    assert "train=fp8(e4m3,1x128/128x128)" in text and "rollout=nvfp4(e2m1,1x16,4/6,bwd=dequantized)" in text
+    plain = QuantLinear(16, 8, train="bf16", rollout="fp8")
+    assert "train=bf16, rollout=fp8(e4m3,1x128/128x128)" in repr(plain)
+
+
+def test_bad_input_raises_value_error():
+    _, q = _pair()
+    with pytest.raises(ValueError, match="float32, bfloat16, float16"):
+        q(torch.ones(2, 200, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"\[\*, 200\]"):
+        q(torch.ones(2, 100))
+    with pytest.raises(ValueError, match="train, rollout"):
+        with precision_phase("eval"):
+            pass
+    with pytest.raises(ValueError, match="bf16, fp8, nvfp4"):
+        q.set_recipes(train="int4")
+    with pytest.raises(ValueError, match="allowed dtypes"):
+        QuantLinear.from_linear(nn.Linear(4, 3).double(), FP8)
+    weird = nn.Linear(4, 3)
+    weird.weight = nn.Parameter(torch.ones(3, 4, 1))
+    with pytest.raises(ValueError, match="2-D"):
+        QuantLinear.from_linear(weird, FP8)
+    assert isinstance(QuantLinear.from_linear(nn.Linear(4, 3).double(), {"train": "bf16", "rollout": "bf16"}), QuantLinear)
+
+
+def test_recipes_by_name_and_phase_recipes():
+    from jetrl_trainer.precision import PRECISIONS, is_unified, phase_recipes
+    from jetrl_trainer.quant import BF16Recipe, FP8Recipe, get_recipe
+
+    assert PRECISIONS == ("bf16", "fp8", "nvfp4")
+    assert get_recipe("FP8", scale_format="ue8m0") == FP8Recipe(scale_format="ue8m0")
+    assert get_recipe(NVFP4Recipe(), four_over_six=False) == NVFP4Recipe(four_over_six=False)
+    recipes = phase_recipes("bf16", "fp8", scale_format="ue8m0", nvfp4_backward="high_precision")
+    assert recipes == {"train": BF16Recipe(), "rollout": FP8Recipe(scale_format="ue8m0")}
+    assert phase_recipes("nvfp4", "nvfp4", nvfp4_backward="high_precision")["train"].backward == "high_precision"
+    assert is_unified("fp8", "fp8") and not is_unified("bf16", "fp8")
+    with pytest.raises(ValueError, match="allowed: backward, four_over_six"):
+        get_recipe("nvfp4", scale_format="ue8m0")
+    with pytest.raises(ValueError, match="True or False"):
+        NVFP4Recipe(four_over_six="yes")
+
+
+@pytest.mark.gpu
+def test_cuda_fast_kernels_match_the_reference_bit_for_bit(monkeypatch):
+    from jetrl_trainer.kernels import use_gemm_backend
+
+    _, q = _pair(n_in=384, n_out=260, dtype=torch.bfloat16)
+    q.cuda()
+    x = torch.randn(300, 384, dtype=torch.bfloat16, device="cuda")
+    dy = torch.randn(300, 260, dtype=torch.bfloat16, device="cuda")
+    results = []
+    for disable in ("1", "0"):  # the pure-torch reference, then the Triton kernels where present
+        monkeypatch.setenv("JETRL_DISABLE_TRITON", disable)
+        invalidate_weight_caches()
+        q.weight.grad = q.bias.grad = None
+        with use_gemm_backend("emulated"):
+            results.append(_run(q, x, dy))
+    (y0, g0), (y1, g1) = results
+    assert torch.equal(y0, y1) and all(torch.equal(a, b) for a, b in zip(g0, g1))
