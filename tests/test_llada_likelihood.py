@@ -139,6 +139,16 @@ def test_different_seeds_and_rows_get_different_masks():
     assert len({tuple(r.tolist()) for r in group}) > 1
 
 
+def test_per_row_seeds_equal_per_seed_calls():
+    prompt, prompt_mask, completion, completion_mask = batch()
+    seeds = torch.tensor([3, 3, 9, 9, 2**40 + 1, -5])
+    per_row = masks_of(prompt, prompt_mask, completion, completion_mask, seed=seeds)
+    for i, s in enumerate(seeds.tolist()):
+        assert torch.equal(per_row[i], masks_of(prompt, prompt_mask, completion, completion_mask, seed=s)[i])
+    with pytest.raises(ValueError, match="mask_seed"):
+        masks_of(prompt, prompt_mask, completion, completion_mask, seed=seeds[:2])
+
+
 def test_tokens_after_eos_do_not_change_the_mask():
     prompt, prompt_mask, completion, completion_mask = batch()
     other = completion.clone()
@@ -232,3 +242,20 @@ def test_registry(monkeypatch):
     assert get_estimator("zeros_for_test") is custom
     with pytest.raises(ValueError, match="already registered"):
         register_estimator("mean_field")(custom)
+
+
+def test_each_phase_scores_the_same_masked_input_in_its_own_precision():
+    from jetrl_trainer.quant import precision_phase, quantize_model
+
+    base = build_tiny_llada(vocab_size=VOCAB, mask_token_id=MASK, seed=2, dtype=torch.bfloat16).eval()
+    rec = Recorder(quantize_model(base, train="bf16", rollout="fp8"))
+    args = batch()
+    with torch.no_grad():
+        with precision_phase("rollout"):
+            rollout = mean_field_logps(rec, *args, mask_seed=6)
+        with precision_phase("train"):
+            train = mean_field_logps(rec, *args, mask_seed=6)
+    (rollout_ids, _), (train_ids, _) = rec.calls
+    assert torch.equal(rollout_ids, train_ids)  # like is compared with like
+    assert not torch.equal(rollout, train)  # FP8 rollout vs BF16 train: the mismatch correctors manage
+    assert (rollout - train).abs().max() < 0.5

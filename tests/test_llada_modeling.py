@@ -392,3 +392,20 @@ def test_naive_ff_out_target_would_catch_the_lm_head():
 def test_lora_preset_unknown_name():
     with pytest.raises(ValueError, match="all_linear"):
         D.lora_target_modules("everything")
+
+
+# -- precision phases ---------------------------------------------------------------------------------
+
+
+def test_quantize_model_swaps_block_linears_but_not_the_lm_head():
+    from jetrl_trainer.quant import QuantLinear, count_quant_gemms, precision_phase, quantize_model
+
+    model = quantize_model(tiny(dtype=torch.bfloat16).eval(), train="bf16", rollout="fp8")
+    tr = model.model.transformer
+    assert type(tr.ff_out) is nn.Linear  # found through get_output_embeddings()
+    assert all(isinstance(getattr(b, n), QuantLinear) for b in tr.blocks for n in BLOCK_WEIGHTS[:7])
+    ids, mask = left_padded_batch()
+    with torch.no_grad(), count_quant_gemms() as counts, precision_phase("rollout"):
+        logits = model(ids, attention_mask=mask).logits
+    assert counts == {("rollout", "fp8"): 2 * 7}
+    assert torch.isfinite(logits).all()

@@ -10,7 +10,8 @@ How we depart from the published ``configuration_llada.py``:
 * It is a transformers 5 dataclass config with no remote code; ``auto_map`` (if present in a
   ``config.json``) is kept as metadata but never used by us.
 * Only the architecture the released checkpoints use is implemented: ``block_type="llama"``,
-  ``rope=True``, ``alibi=False``, ``block_group_size=1``, no QK layer norm. Other values raise a
+  ``rope=True``, ``alibi=False``, ``block_group_size=1``, ``layer_norm_type="rms"``, no QK layer
+  norm, and an activation in {silu, gelu, relu} gating ``up_proj``. Other values raise a
   ``ValueError`` when the config is built, instead of failing deep inside the model.
 * ``init_device``, ``init_fn``, ``init_cutoff_factor``, ``flash_attention`` and ``precision`` are
   accepted for compatibility and ignored: weights are created on the device transformers chooses,

@@ -51,8 +51,10 @@ class LikelihoodEstimator(Protocol):
     """``(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *, mask_seed, ...) -> (B, T)``.
 
     Shapes: prompts ``(B, P)`` left-padded with ``prompt_mask`` 1 on real tokens; completions
-    ``(B, T)``. Returns float32 per-token log-probs of ``completion_ids``; the caller applies
-    ``completion_mask`` when reducing. Must be deterministic given ``mask_seed``.
+    ``(B, T)``. ``mask_seed`` is one int for the batch or a ``(B,)`` int64 tensor (one per row, so a
+    micro-batch may mix rows from different rollout batches). Returns float32 per-token log-probs
+    of ``completion_ids``; the caller applies ``completion_mask`` when reducing. Must be
+    deterministic given ``mask_seed``.
     """
 
     def __call__(
@@ -63,7 +65,7 @@ class LikelihoodEstimator(Protocol):
         completion_ids: torch.Tensor,
         completion_mask: torch.Tensor,
         *,
-        mask_seed: int,
+        mask_seed: int | torch.Tensor,
         mask_token_id: int | None = None,
         temperature: float = 1.0,
     ) -> torch.Tensor: ...
@@ -130,6 +132,16 @@ def _mix_int(*values: int) -> int:
     return int(h)
 
 
+def _hash_seeds(mask_seed: int | torch.Tensor, batch_size: int, device: torch.device) -> torch.Tensor:
+    """``(B,)`` hashed seeds from one seed or one per row; equals ``_mix_int(seed)`` element-wise."""
+    seeds = torch.as_tensor(mask_seed, dtype=torch.int64, device=device)
+    if seeds.dim() == 0:
+        seeds = seeds.expand(batch_size)
+    elif seeds.shape != (batch_size,):
+        raise ValueError(f"mask_seed must be an int or a ({batch_size},) tensor, got shape {tuple(seeds.shape)}.")
+    return _mix32(_mix32(seeds & _M32) ^ ((seeds >> 32) & _M32))
+
+
 def mask_seeds_for_step(base_seed: int, generation_step: int, num_iterations: int) -> list[int]:
     """One mask seed per GRPO inner iteration for the rollout batch generated at ``generation_step``.
 
@@ -164,7 +176,7 @@ def mask_prompt_tokens(
     completion_ids: torch.Tensor,
     completion_mask: torch.Tensor,
     *,
-    mask_seed: int,
+    mask_seed: int | torch.Tensor,
     p_mask_prompt: float,
 ) -> torch.Tensor:
     """Boolean ``(B, P)``: which real prompt tokens to mask, each with probability ``p_mask_prompt``.
@@ -174,11 +186,11 @@ def mask_prompt_tokens(
     """
     if not 0.0 <= p_mask_prompt <= 1.0:
         raise ValueError(f"p_mask_prompt must be in [0, 1], got {p_mask_prompt}.")
-    P = prompt_ids.shape[1]
-    seed = _mix_int(mask_seed)
+    B, P = prompt_ids.shape
+    seed = _hash_seeds(mask_seed, B, prompt_ids.device)  # (B,)
     keys = _row_keys(prompt_ids, prompt_mask, completion_ids, completion_mask)  # (B,)
     from_end = torch.arange(P - 1, -1, -1, device=prompt_ids.device)
-    bits = _mix32(_mix32(keys[:, None] ^ seed) ^ from_end[None, :])  # (B, P) uniform in [0, 2^32)
+    bits = _mix32(_mix32(keys[:, None] ^ seed[:, None]) ^ from_end[None, :])  # (B, P) uniform in [0, 2^32)
     threshold = round(p_mask_prompt * 2**32)
     return (bits < threshold) & prompt_mask.bool()
 
@@ -208,7 +220,7 @@ def mean_field_logps(
     completion_ids: torch.Tensor,
     completion_mask: torch.Tensor,
     *,
-    mask_seed: int,
+    mask_seed: int | torch.Tensor,
     mask_token_id: int | None = None,
     temperature: float = 1.0,
     p_mask_prompt: float = 0.3,
