@@ -1,0 +1,284 @@
+"""`JetGRPOConfig`: TRL's `GRPOConfig` plus the knobs that pick a low-precision strategy.
+
+Two orthogonal precisions and a corrector (DESIGN §4):
+
+* ``train_precision == rollout_precision`` — the *unified precision flow* (Jet-RL): the rollout runs
+  the very same quantized modules as the training forward, so there is no mismatch to correct.
+* ``train_precision="bf16", rollout_precision="fp8"`` — the common baseline: cheap rollouts, a
+  mismatch between sampler and learner that a ``corrector`` (is / tis / mis / ais) manages.
+
+TRL's own ``bf16`` / ``fp16`` flags keep their meaning (autocast mixed precision of the
+``Trainer``); they are independent of ``train_precision`` / ``rollout_precision``, which pick the
+arithmetic of the ``nn.Linear`` layers that `quantize_model` swaps for `QuantLinear`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from trl import GRPOConfig
+
+__all__ = ["JetGRPOConfig", "PRECISIONS", "CORRECTOR_PARAMS"]
+
+PRECISIONS: tuple[str, ...] = ("bf16", "fp8", "nvfp4")
+_SCALE_FORMATS = ("fp32", "ue8m0")
+_NVFP4_BACKWARDS = ("dequantized", "high_precision")
+
+# Which config field feeds which parameter of which built-in corrector (get_corrector keywords).
+_FIELD_TO_PARAM = {
+    "corrector_clip": "clip",
+    "corrector_low": "low",
+    "corrector_high": "high",
+    "corrector_level": "level",
+    "ais_delta": "delta",
+    "ais_gamma": "gamma",
+    "ais_beta": "beta",
+}
+CORRECTOR_PARAMS: dict[str, tuple[str, ...]] = {
+    "none": (),
+    "is": ("corrector_level",),
+    "tis": ("corrector_clip", "corrector_level"),
+    "mis": ("corrector_low", "corrector_high", "corrector_level"),
+    "ais": ("corrector_clip", "ais_delta", "ais_gamma", "ais_beta", "corrector_level"),
+}
+
+
+@dataclass
+class JetGRPOConfig(GRPOConfig):
+    r"""
+    Configuration class for [`JetGRPOTrainer`]: every parameter of `trl.GRPOConfig`, plus the ones
+    below. Only the new fields are declared here.
+
+    Parameters:
+        train_precision (`str`, *optional*, defaults to `"fp8"`):
+            Arithmetic of the quantized linear layers in the training forward/backward (and in the
+            old/reference log-probs): `"bf16"` (plain `F.linear` in the model's dtype), `"fp8"` (E4M3,
+            1x128 activation groups, 128x128 weight blocks, FP8 dgrad/wgrad) or `"nvfp4"` (emulated).
+        rollout_precision (`str`, *optional*, defaults to `"fp8"`):
+            Arithmetic of the same layers during generation. Equal to `train_precision` = unified
+            precision flow (no mismatch by construction).
+        corrector (`str` or `Corrector`, *optional*, defaults to `"none"`):
+            Off-policy corrector multiplying TRL's per-token surrogate: `"none"`, `"is"`, `"tis"`,
+            `"mis"`, `"ais"`, another registered name, or (Python API only) a `Corrector` instance.
+            Mismatch metrics are logged whatever the choice.
+        corrector_clip (`float`, *optional*):
+            Truncation C of TIS and AIS (weights are `min(ratio, C)`). `None` keeps the corrector's
+            default (2.0).
+        corrector_low (`float`, *optional*):
+            MIS lower bound: tokens whose ratio is below it get weight 0. `None` = default (0.5).
+        corrector_high (`float`, *optional*):
+            MIS upper bound: tokens whose ratio is above it get weight 0. `None` = default (2.0).
+        corrector_level (`str`, *optional*):
+            Level at which the ratio is formed: `"token"`, `"sequence"` (product over the
+            completion) or `"geometric"` (geometric mean). `None` = default (`"token"`).
+        ais_delta (`float`, *optional*):
+            AIS δ: the mean |Δlogp| at which the mismatch gate α_mis saturates at 1. `None` = default.
+        ais_gamma (`float`, *optional*):
+            AIS γ: tolerated relative growth of the weighted-advantage spread before α_var kicks in.
+        ais_beta (`float`, *optional*):
+            AIS β: how strongly α_var pulls α down.
+        log_mismatch (`bool`, *optional*, defaults to `True`):
+            Log `mismatch/*` and `corrector/*` every step even when nothing needs the training-precision
+            log-probs at rollout time (equal precisions and `corrector="none"`); that case costs one
+            extra no-grad forward per generation batch. When a corrector is active or the precisions
+            differ, the forward is needed anyway and metrics are always logged.
+        keep_last_n_layers_bf16 (`int`, *optional*, defaults to `0`):
+            Keep the last N decoder layers un-quantized (BF16) in both phases.
+        keep_bf16_modules (`list[str]`, *optional*):
+            Module-name patterns kept un-quantized in both phases (e.g. `["shared_expert"]`).
+            Embeddings and `lm_head` are never quantized.
+        fp8_scale_format (`str`, *optional*, defaults to `"fp32"`):
+            FP8 scale format: `"fp32"`, or `"ue8m0"` (power-of-two scales, for DeepGEMM/Blackwell).
+        nvfp4_backward (`str`, *optional*, defaults to `"dequantized"`):
+            NVFP4 backward: `"dequantized"` (gradient of the quantized op actually run) or
+            `"high_precision"` (BF16 operands).
+
+    > [!NOTE]
+    > `bf16` / `fp16` (inherited from `TrainingArguments`) switch the Trainer's autocast mixed
+    > precision. They do not choose a quantization recipe; `train_precision` and
+    > `rollout_precision` do. Load the model in bfloat16 (`model_init_kwargs={"dtype": "bfloat16"}`)
+    > for BF16 master weights.
+    """
+
+    train_precision: str = field(
+        default="fp8",
+        metadata={
+            "help": "Arithmetic of the quantized linear layers in the training forward/backward: 'bf16', "
+            "'fp8' or 'nvfp4'.",
+            "choices": list(PRECISIONS),
+        },
+    )
+    rollout_precision: str = field(
+        default="fp8",
+        metadata={
+            "help": "Arithmetic of the same layers during generation: 'bf16', 'fp8' or 'nvfp4'. Equal to "
+            "train_precision = unified precision flow.",
+            "choices": list(PRECISIONS),
+        },
+    )
+    corrector: str = field(
+        default="none",
+        metadata={
+            "help": "Off-policy corrector multiplying the per-token surrogate: 'none', 'is', 'tis', 'mis', "
+            "'ais' (or a registered name; a Corrector instance from Python). Mismatch metrics are logged "
+            "whatever the choice."
+        },
+    )
+    corrector_clip: float | None = field(
+        default=None,
+        metadata={"help": "Truncation C of TIS and AIS (weights min(ratio, C)). None keeps the default (2.0)."},
+    )
+    corrector_low: float | None = field(
+        default=None,
+        metadata={"help": "MIS lower bound: tokens with ratio below it get weight 0. None = default (0.5)."},
+    )
+    corrector_high: float | None = field(
+        default=None,
+        metadata={"help": "MIS upper bound: tokens with ratio above it get weight 0. None = default (2.0)."},
+    )
+    corrector_level: str | None = field(
+        default=None,
+        metadata={
+            "help": "Level of the ratio: 'token', 'sequence' or 'geometric'. None = default ('token').",
+        },
+    )
+    ais_delta: float | None = field(
+        default=None,
+        metadata={"help": "AIS delta: mean |dlogp| at which the mismatch gate alpha_mis saturates. None = default."},
+    )
+    ais_gamma: float | None = field(
+        default=None,
+        metadata={"help": "AIS gamma: tolerated relative growth of the weighted-advantage spread. None = default."},
+    )
+    ais_beta: float | None = field(
+        default=None,
+        metadata={"help": "AIS beta: how strongly the variance gate alpha_var pulls alpha down. None = default."},
+    )
+    log_mismatch: bool = field(
+        default=True,
+        metadata={
+            "help": "Log mismatch/* and corrector/* even when nothing else needs the train-precision log-probs "
+            "at rollout time (equal precisions, corrector='none'); costs one no-grad forward per generation "
+            "batch in that case only."
+        },
+    )
+    keep_last_n_layers_bf16: int = field(
+        default=0,
+        metadata={"help": "Keep the last N decoder layers un-quantized (BF16) in both phases."},
+    )
+    keep_bf16_modules: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Module-name patterns kept un-quantized in both phases (e.g. shared_expert). Embeddings "
+            "and lm_head are never quantized."
+        },
+    )
+    fp8_scale_format: str = field(
+        default="fp32",
+        metadata={
+            "help": "FP8 scale format: 'fp32', or 'ue8m0' (power-of-two scales, for DeepGEMM/Blackwell).",
+            "choices": list(_SCALE_FORMATS),
+        },
+    )
+    nvfp4_backward: str = field(
+        default="dequantized",
+        metadata={
+            "help": "NVFP4 backward: 'dequantized' (gradient of the quantized op actually run) or "
+            "'high_precision' (BF16 operands).",
+            "choices": list(_NVFP4_BACKWARDS),
+        },
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.train_precision = _check_choice("train_precision", self.train_precision, PRECISIONS)
+        self.rollout_precision = _check_choice("rollout_precision", self.rollout_precision, PRECISIONS)
+        self.fp8_scale_format = _check_choice("fp8_scale_format", self.fp8_scale_format, _SCALE_FORMATS)
+        self.nvfp4_backward = _check_choice("nvfp4_backward", self.nvfp4_backward, _NVFP4_BACKWARDS)
+        if isinstance(self.keep_bf16_modules, str):  # one pattern from a YAML scalar / CLI string
+            self.keep_bf16_modules = [self.keep_bf16_modules]
+        if isinstance(self.keep_last_n_layers_bf16, bool) or not isinstance(self.keep_last_n_layers_bf16, int):
+            raise ValueError(f"keep_last_n_layers_bf16 must be an integer >= 0; got {self.keep_last_n_layers_bf16!r}")
+        if self.keep_last_n_layers_bf16 < 0:
+            raise ValueError(
+                f"keep_last_n_layers_bf16 must be >= 0 (0 quantizes every decoder layer); got "
+                f"{self.keep_last_n_layers_bf16}"
+            )
+        if self.use_vllm:
+            raise ValueError(
+                "use_vllm=True is not supported by JetGRPOTrainer: rollouts must run on the policy itself "
+                "(transformers generate or continuous batching) so that rollout_precision applies and the "
+                "sampling log-probs are recorded. Set use_vllm=False (optionally "
+                "use_transformers_continuous_batching=True)."
+            )
+        if isinstance(self.corrector, str):
+            self.corrector = self.corrector.strip().lower()
+        self._check_corrector()
+
+    # ------------------------------------------------------------------ corrector
+
+    def corrector_params(self) -> dict[str, Any]:
+        """The keyword arguments for ``get_corrector(self.corrector, **params)`` (only those set)."""
+        return {
+            _FIELD_TO_PARAM[name]: getattr(self, name)
+            for name in _FIELD_TO_PARAM
+            if getattr(self, name) is not None
+        }
+
+    @property
+    def corrector_name(self) -> str:
+        """The corrector's registry name, or ``name`` attribute / class name of an instance."""
+        if isinstance(self.corrector, str):
+            return self.corrector
+        return str(getattr(self.corrector, "name", type(self.corrector).__name__))
+
+    @property
+    def corrector_active(self) -> bool:
+        """Whether corrector weights multiply the loss (anything but ``"none"``)."""
+        return self.corrector_name != "none"
+
+    def _check_corrector(self) -> None:
+        from jetrl_trainer.correctors import available_correctors, get_corrector
+
+        set_fields = [name for name in _FIELD_TO_PARAM if getattr(self, name) is not None]
+        if not isinstance(self.corrector, str):
+            if set_fields:
+                raise ValueError(
+                    f"{', '.join(set_fields)} only apply to a corrector given by name; with a Corrector instance "
+                    "set its parameters on the instance and leave these fields unset."
+                )
+            get_corrector(self.corrector)  # refuses classes and non-callables with a clear message
+            return
+        if self.corrector not in available_correctors():
+            raise ValueError(
+                f"Unknown corrector {self.corrector!r}; choose one of {list(available_correctors())} or pass a "
+                "Corrector instance."
+            )
+        allowed = CORRECTOR_PARAMS.get(self.corrector)
+        if allowed is not None:
+            stray = [name for name in set_fields if name not in allowed]
+            if stray:
+                users = sorted(c for c, fields in CORRECTOR_PARAMS.items() if set(stray) & set(fields))
+                verb = "does" if len(stray) == 1 else "do"
+                raise ValueError(
+                    f"{', '.join(stray)} {verb} not apply to corrector={self.corrector!r} (used by: "
+                    f"{', '.join(users)}); unset it or pick a corrector that uses it. corrector="
+                    f"{self.corrector!r} accepts: {', '.join(allowed) or 'no parameters'}."
+                )
+        low, high = self.corrector_low, self.corrector_high
+        if low is not None and high is not None and not low < high:
+            raise ValueError(
+                f"corrector_low ({low}) must be below corrector_high ({high}): MIS keeps tokens whose ratio lies in "
+                "[low, high]. Swap them, e.g. corrector_low=0.5, corrector_high=2.0."
+            )
+        try:
+            get_corrector(self.corrector, **self.corrector_params())
+        except ValueError as err:
+            raise ValueError(f"Invalid corrector settings for corrector={self.corrector!r}: {err}") from err
+
+
+def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
+    if isinstance(value, str) and value.strip().lower() in allowed:
+        return value.strip().lower()
+    raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {value!r}.")
