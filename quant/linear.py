@@ -258,6 +258,11 @@ class QuantLinear(nn.Linear):
         linear.train(self.training)
         return linear
 
+    def __getstate__(self) -> dict:
+        # deepcopy / pickle (e.g. a reference-model copy) must not carry quantized weights along.
+        state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__
+        return {**state, "_weight_cache": {}}
+
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, train={self.recipes['train']}, rollout={self.recipes['rollout']}"
 

@@ -41,6 +41,7 @@ index into the E2M1 grid``, which is exactly the E2M1 bit pattern.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -103,17 +104,27 @@ def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
     return torch.copysign(rounded, x.float())
 
 
+@functools.lru_cache(maxsize=None)
+def _grid(device: torch.device) -> torch.Tensor:
+    # Built once per device: a host-to-device copy in every forward would stall the GPU stream.
+    return torch.tensor(E2M1_GRID, device=device)
+
+
 def _encode(values: torch.Tensor) -> torch.Tensor:
     """E2M1 grid values (FP32) -> 4-bit codes (uint8, one per element)."""
-    grid = torch.tensor(E2M1_GRID, device=values.device)
+    grid = _grid(values.device)
     index = torch.bucketize(torch.nan_to_num(values.abs(), nan=0.0), grid).clamp(max=7)
     return (index | (torch.signbit(values).to(index.dtype) << 3)).to(torch.uint8)
 
 
+@functools.lru_cache(maxsize=None)
+def _code_table(device: torch.device) -> torch.Tensor:
+    grid = _grid(device)
+    return torch.cat([grid, -grid])  # codes 8..15 are the negatives (8 is -0)
+
+
 def _decode(codes: torch.Tensor) -> torch.Tensor:
-    grid = torch.tensor(E2M1_GRID, device=codes.device)
-    table = torch.cat([grid, -grid])  # codes 8..15 are the negatives (8 is -0)
-    return table[codes.long()]
+    return _code_table(codes.device)[codes.long()]
 
 
 def _pack(codes: torch.Tensor) -> torch.Tensor:

@@ -345,3 +345,14 @@ def test_cuda_fast_kernels_match_the_reference_bit_for_bit(monkeypatch):
             results.append(_run(q, x, dy))
     (y0, g0), (y1, g1) = results
     assert torch.equal(y0, y1) and all(torch.equal(a, b) for a, b in zip(g0, g1))
+
+
+def test_deepcopy_drops_the_weight_cache():
+    import copy
+
+    _, q = _pair()
+    x = torch.randn(3, 200)
+    y = q(x)
+    clone = copy.deepcopy(q)
+    assert clone._weight_cache == {} and clone.weight is not q.weight
+    assert torch.equal(clone(x), y) and q._weight_cache
