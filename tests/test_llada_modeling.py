@@ -210,6 +210,13 @@ def test_published_checkpoint_loads_through_auto_class_without_remote_code(tmp_p
     torch.testing.assert_close(loaded[real], reference[real], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("trust_remote_code", [False, True])
+def test_explicit_trust_remote_code_still_uses_our_class(tmp_path, trust_remote_code):
+    # A registered non-transformers class counts as explicit local code; the remote files are never read.
+    published_tiny_checkpoint(tmp_path)
+    assert type(AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=trust_remote_code)) is LLaDAModelLM
+
+
 def test_save_pretrained_roundtrip_is_safetensors_and_exact(tmp_path):
     model = tiny(n_kv_heads=2)
     model.save_pretrained(tmp_path)
