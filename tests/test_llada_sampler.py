@@ -206,6 +206,13 @@ def test_bad_arguments_raise_clear_errors(model, kw, match):
         generate(model, ids, mask, **kw)
 
 
+def test_int32_prompts_keep_their_dtype(model):
+    ids, mask, _ = prompts()
+    out = generate(model, ids.int(), mask, steps=2, gen_length=4, block_length=4)
+    assert out.dtype == torch.int32
+    assert torch.equal(out.long(), generate(model, ids, mask, steps=2, gen_length=4, block_length=4))
+
+
 def test_bad_shapes_raise(model):
     ids, mask, _ = prompts()
     with pytest.raises(ValueError, match="attention_mask shape"):

@@ -155,7 +155,7 @@ def remask_low_confidence(
     top = confidence.topk(k_max, dim=-1).indices  # (B, k_max), most confident first
     keep = torch.arange(k_max, device=x0.device)[None, :] < num_transfer[:, None]
     transferred.scatter_(1, top, keep)
-    x_block[transferred] = x0[transferred]
+    x_block[transferred] = x0[transferred].to(x_block.dtype)
     return transferred
 
 
@@ -196,7 +196,9 @@ def generate(
     ``precision_phase("rollout")`` for quantized rollouts.
     """
     mask_token_id = _resolve_mask_token_id(model, mask_token_id)
-    steps_per_block = _validate(prompt_ids, attention_mask, steps, gen_length, block_length, temperature, cfg_scale, remasking)
+    steps_per_block = _validate(
+        prompt_ids, attention_mask, steps, gen_length, block_length, temperature, cfg_scale, remasking
+    )
     prompt_length = prompt_ids.shape[1]
     x = mask_tokens(prompt_ids, gen_length, mask_token_id)
     if attention_mask is not None:
@@ -248,7 +250,9 @@ def _validate(
 ) -> int:
     """Check the arguments; returns the number of steps per block."""
     if prompt_ids.dim() != 2 or prompt_ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"prompt_ids must be a (B, P) integer tensor, got {tuple(prompt_ids.shape)} {prompt_ids.dtype}.")
+        raise ValueError(
+            f"prompt_ids must be a (B, P) integer tensor, got {tuple(prompt_ids.shape)} {prompt_ids.dtype}."
+        )
     if attention_mask is not None and attention_mask.shape != prompt_ids.shape:
         raise ValueError(
             f"attention_mask shape {tuple(attention_mask.shape)} must equal prompt_ids shape {tuple(prompt_ids.shape)}."

@@ -25,7 +25,12 @@ _TINY_DEFAULTS: dict[str, Any] = dict(
 
 
 def tiny_llada_config(
-    *, vocab_size: int, mask_token_id: int, eos_token_id: int | None = None, pad_token_id: int | None = None, **overrides: Any
+    *,
+    vocab_size: int,
+    mask_token_id: int,
+    eos_token_id: int | None = None,
+    pad_token_id: int | None = None,
+    **overrides: Any,
 ) -> LLaDAConfig:
     """A 2-layer, 64-wide LLaDA config; every published field can be overridden by keyword.
 
