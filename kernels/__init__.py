@@ -29,7 +29,7 @@ __all__ = [
     "use_gemm_backend",
 ]
 
-_OPTIONAL = ("scaled_mm", "triton_gemm", "deepgemm", "triton_quant")
+_OPTIONAL = ("scaled_mm", "triton_gemm", "deepgemm", "triton_quant", "triton_norm", "triton_swiglu")
 _log = logging.getLogger(__name__)
 
 

@@ -1,0 +1,99 @@
+"""Shared helpers for the GPU benchmarks: timing, bandwidth ceiling, environment record.
+
+Every benchmark measures its BF16 baseline in the same process, right next to the FP8 path, and
+reports ratios; absolute numbers only make sense together with ``environment()``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["bench_ms", "bench_graph_ms", "copy_bandwidth_gbs", "environment", "dump", "tflops"]
+
+
+def environment() -> dict:
+    info = {
+        "date": datetime.date.today().isoformat(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+    }
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info.update(gpu=props.name, sm_count=props.multi_processor_count,
+                    capability=".".join(map(str, torch.cuda.get_device_capability())),
+                    memory_gib=round(props.total_memory / 2**30, 1))
+    return info
+
+
+def bench_ms(fn: Callable[[], object], warmup_ms: int = 25, rep_ms: int = 200) -> float:
+    """Median milliseconds per call (CUDA events; triton.testing.do_bench when Triton is there)."""
+    try:
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+    except ImportError:
+        return _events_ms(fn)
+
+
+def _events_ms(fn: Callable[[], object], iters: int = 50) -> float:
+    for _ in range(5):
+        fn()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for s, e in zip(starts, ends):
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    times = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
+    return times[len(times) // 2]
+
+
+def bench_graph_ms(fn: Callable[[], object], calls: int = 20, replays: int = 30) -> float:
+    """Milliseconds per call with launch gaps removed: ``calls`` calls captured in one CUDA graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return bench_ms(graph.replay, rep_ms=100) / calls
+
+
+def copy_bandwidth_gbs(n_bytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth, counting bytes read plus bytes written (GB/s, 1e9)."""
+    src = torch.empty(n_bytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    ms = bench_ms(lambda: dst.copy_(src))
+    return 2 * n_bytes / (ms * 1e-3) / 1e9
+
+
+def tflops(m: int, n: int, k: int, ms: float) -> float:
+    return 2.0 * m * n * k / (ms * 1e-3) / 1e12
+
+
+def dump(result: dict) -> None:
+    """Print a benchmark's result as JSON (run_all.py collects them into one file)."""
+    print(json.dumps(result, indent=1, default=str), flush=True)

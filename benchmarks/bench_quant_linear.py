@@ -1,0 +1,82 @@
+"""QuantLinear forward + backward (all quantization included) vs BF16 ``nn.Linear``, Qwen3-8B shapes.
+
+M = 8192 tokens. Two FP8 timings per layer:
+* ``weight_cached``: the FP8 weight comes from the per-step cache (as for every forward after the
+  first in an optimizer step, e.g. the rollout's quantization reused by training);
+* ``weight_requantized``: the cache is invalidated every iteration, so the 128×128 weight quant is
+  paid once per fwd+bwd — the cost of one training step per layer.
+Target (issue 6): ≥ 1.4× BF16 (Jet-RL reports 1.54× for the actor update; moonshot ≥ 1.6×).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from _common import bench_ms, dump, environment
+from bench_gemm import M_TRAIN, QWEN3_8B
+from jetrl_trainer.quant import QuantLinear, invalidate_weight_caches
+
+
+def _step(layer: nn.Module, x: torch.Tensor, dy: torch.Tensor, requantize: bool = False):
+    def fn():
+        if requantize:
+            invalidate_weight_caches()
+        layer.weight.grad = None
+        x.grad = None
+        layer(x).backward(dy)
+
+    return fn
+
+
+def run() -> dict:
+    torch.manual_seed(0)
+    rows = []
+    totals = {"bf16": 0.0, "fp8_cached": 0.0, "fp8_requant": 0.0}
+    for name, (n, k) in QWEN3_8B.items():
+        lin = nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+        qlin = QuantLinear.from_linear(lin, {"train": "fp8", "rollout": "fp8"})
+        x = torch.randn(M_TRAIN, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn(M_TRAIN, n, device="cuda", dtype=torch.bfloat16)
+        bf16 = bench_ms(_step(lin, x, dy))
+        cached = bench_ms(_step(qlin, x, dy))
+        requant = bench_ms(_step(qlin, x, dy, requantize=True))
+        totals["bf16"] += bf16
+        totals["fp8_cached"] += cached
+        totals["fp8_requant"] += requant
+        rows.append({"layer": name, "N": n, "K": k, "bf16_ms": round(bf16, 3), "fp8_weight_cached_ms": round(cached, 3),
+                     "fp8_weight_requantized_ms": round(requant, 3), "speedup_cached": round(bf16 / cached, 3),
+                     "speedup_requantized": round(bf16 / requant, 3)})
+    summary = {"speedup_cached": round(totals["bf16"] / totals["fp8_cached"], 3),
+               "speedup_requantized": round(totals["bf16"] / totals["fp8_requant"], 3),
+               **{f"{k}_total_ms": round(v, 3) for k, v in totals.items()}}
+    return {"environment": environment(), "M": M_TRAIN, "rows": rows, "all_seven_layers": summary,
+            "target_speedup": 1.4, "gate_proj_kernel_breakdown_us": _breakdown(*QWEN3_8B["gate_proj"])}
+
+
+def _breakdown(n: int, k: int, iters: int = 5) -> dict:
+    """CUDA time per kernel name for one FP8 fwd+bwd (weight re-quantized), from the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    lin = nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+    qlin = QuantLinear.from_linear(lin, {"train": "fp8", "rollout": "fp8"})
+    x = torch.randn(M_TRAIN, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(M_TRAIN, n, device="cuda", dtype=torch.bfloat16)
+    step = _step(qlin, x, dy, requantize=True)
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            step()
+        torch.cuda.synchronize()
+    times: dict[str, float] = {}
+    for evt in prof.key_averages():
+        t = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0.0)
+        if t > 0:
+            times[evt.key[:90]] = round(t / iters, 1)
+    return dict(sorted(times.items(), key=lambda kv: -kv[1])[:14])
+
+
+if __name__ == "__main__":
+    dump(run())

@@ -1,0 +1,79 @@
+"""``@triton.jit`` RMSNorm+quant and SwiGLU+quant kernels (imported only when Triton is present).
+
+Both write the high-precision result *and* its 1×GROUP FP8 quantization in one pass, so the
+next GEMM's activation quant costs no extra read. Exactness notes (see the host wrappers):
+
+* RMSNorm sums the squares in a fixed pairwise tree (adjacent pairs, level by level) — the same
+  tree as ``rmsnorm_reference`` — and must be launched with ``enable_fp_fusion=False`` so that
+  ``x*x + y*y`` is not contracted into an FMA;
+* SiLU is ``g / (1 + expf(-g))`` with libdevice ``expf`` and an IEEE division, as ATen's CUDA
+  ``silu_kernel`` computes it; launched with ``enable_reflect_ftz=False`` (nvcc's default).
+"""
+
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import libdevice
+
+from jetrl_trainer.kernels._triton_quant_jit import _amax, _fp8_bits, _scale_from_amax
+
+
+@triton.jit
+def _store_quantized_row(y, row, K, q_ptr, s_ptr, stride_qm, stride_sm,
+                         BLOCK_K: tl.constexpr, GROUP: tl.constexpr, UE8M0: tl.constexpr):
+    """Quantize one row ``y`` (BLOCK_K fp32, zeros past K) in 1×GROUP groups and store it."""
+    yg = tl.reshape(y, (BLOCK_K // GROUP, GROUP))
+    scale = _scale_from_amax(_amax(yg, 1), UE8M0)  # (BLOCK_K // GROUP,)
+    q = tl.reshape(_fp8_bits(yg, scale[:, None]), (BLOCK_K,))
+    cols = tl.arange(0, BLOCK_K)
+    tl.store(q_ptr + row * stride_qm + cols, q, mask=cols < K)
+    groups = tl.arange(0, BLOCK_K // GROUP)
+    tl.store(s_ptr + row * stride_sm + groups, scale, mask=groups < tl.cdiv(K, GROUP))
+
+
+@triton.jit
+def rmsnorm_quant_kernel(
+    x_ptr, w_ptr, y_ptr, q_ptr, s_ptr, K, eps, stride_xm, stride_ym, stride_qm, stride_sm,
+    BLOCK_K: tl.constexpr, LEVELS: tl.constexpr, GROUP: tl.constexpr, UE8M0: tl.constexpr,
+):
+    """One row per program: y = w * (x / sqrt(mean(x²) + eps)).to(dtype); q, s = quant(y)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_K)
+    mask = cols < K
+    x_raw = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0)
+    x = x_raw.to(tl.float32)
+    total = x * x
+    for _ in tl.static_range(LEVELS):  # pairwise tree, adjacent pairs: matches the torch reference
+        total = tl.sum(tl.reshape(total, (total.shape[0] // 2, 2)), axis=1)
+    total = tl.sum(total, axis=0)  # the last pair: one commutative add
+    var = tl.math.div_rn(total, K.to(tl.float32))
+    h = tl.math.div_rn(x, tl.math.sqrt_rn(var + eps)).to(x_raw.dtype)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    y = (w.to(tl.float32) * h.to(tl.float32)).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + row * stride_ym + cols, y, mask=mask)
+    _store_quantized_row(y.to(tl.float32), row, K, q_ptr, s_ptr, stride_qm, stride_sm, BLOCK_K, GROUP, UE8M0)
+
+
+@triton.jit
+def swiglu_quant_kernel(
+    g_ptr, u_ptr, h_ptr, q_ptr, s_ptr, M, K, stride_gm, stride_um, stride_hm, stride_qm, stride_sm,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, GROUPS_PER_PROG: tl.constexpr, UE8M0: tl.constexpr,
+):
+    """h = (silu(g).to(dtype) * u).to(dtype); q, s = quant(h); one [BLOCK_M, GROUPS_PER_PROG*GROUP] tile."""
+    pid_m = tl.program_id(0)
+    pid_g = tl.program_id(1)
+    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    groups = pid_g * GROUPS_PER_PROG + tl.arange(0, GROUPS_PER_PROG)
+    cols = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # (G, GROUP)
+    mask = (rows[:, None, None] < M) & (cols[None, :, :] < K)
+    r3, c3 = rows[:, None, None], cols[None, :, :]
+    g_raw = tl.load(g_ptr + r3 * stride_gm + c3, mask=mask, other=0.0)
+    u = tl.load(u_ptr + r3 * stride_um + c3, mask=mask, other=0.0).to(tl.float32)
+    g = g_raw.to(tl.float32)
+    act = tl.math.div_rn(g, 1.0 + libdevice.exp(-g)).to(g_raw.dtype)
+    h = (act.to(tl.float32) * u).to(h_ptr.dtype.element_ty)
+    tl.store(h_ptr + r3 * stride_hm + c3, h, mask=mask)
+    hf = h.to(tl.float32)
+    scale = _scale_from_amax(_amax(hf, 2), UE8M0)  # (BLOCK_M, G)
+    tl.store(q_ptr + r3 * stride_qm + c3, _fp8_bits(hf, scale[:, :, None]), mask=mask)
+    s_mask = (rows[:, None] < M) & (groups[None, :] < tl.cdiv(K, GROUP))
+    tl.store(s_ptr + rows[:, None] * stride_sm + groups[None, :], scale, mask=s_mask)

@@ -1,0 +1,58 @@
+"""``@triton.jit`` blockwise-scaled FP8 GEMM (imported only when Triton is present).
+
+``C [M, N] = sum_g (A_g @ B_g^T) * sa[:, g] * sb[:, g]``: each 128-wide K group is multiplied on
+the tensor cores into a fresh FP32 tile, then scaled and added to the FP32 accumulator. Scaling
+per group (instead of one long MMA chain) is what blockwise FP8 requires, and it also promotes the
+partial sums out of Hopper's reduced-precision FP8 accumulator every 128 K (as DeepGEMM does).
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def fp8_gemm_nt_kernel(
+    a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, M, N, K,
+    stride_am, stride_bn, stride_cm, stride_asm, stride_asg, stride_bsn, stride_bsg,
+    B_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    grid_m = tl.cdiv(M, BLOCK_M)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    # Grouped launch order: GROUP_M row blocks share B tiles in L2.
+    width = GROUP_M * grid_n
+    group_id = pid // width
+    first_m = group_id * GROUP_M
+    size_m = min(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    rows_a = tl.where(offs_m < M, offs_m, 0).to(tl.int64)  # clamp, not mask: no branch in the K loop
+    rows_b = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
+    a_ptrs = a_ptr + rows_a[:, None] * stride_am + offs_k[None, :]
+    b_ptrs = b_ptr + rows_b[None, :] * stride_bn + offs_k[:, None]  # (BLOCK_K, BLOCK_N) view of B^T
+    sa_ptrs = as_ptr + rows_a * stride_asm
+    if B_BLOCK:
+        sb_ptrs = bs_ptr + (rows_b // 128) * stride_bsn
+    else:
+        sb_ptrs = bs_ptr + rows_b * stride_bsn
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for g in range(0, (K + BLOCK_K - 1) // BLOCK_K):
+        k_left = K - g * BLOCK_K
+        a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+        b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        sa = tl.load(sa_ptrs + g * stride_asg)
+        sb = tl.load(sb_ptrs + g * stride_bsg)
+        part = tl.dot(a, b)
+        acc += part * sa[:, None] * sb[None, :]
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+
+    c = acc.to(c_ptr.dtype.element_ty)
+    c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, c, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))

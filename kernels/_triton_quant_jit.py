@@ -1,0 +1,139 @@
+"""``@triton.jit`` FP8 quantization kernels (imported only when Triton is present).
+
+Each kernel reproduces ``jetrl_trainer.quant.fp8`` *as torch computes it on CUDA*, bit for bit:
+
+* ``scale = max(amax, 1e-10) * fp32(1/448)``: on CUDA, ``tensor / 448.0`` (a CPU scalar divisor)
+  is executed by ATen as a multiply by the FP32 reciprocal (``div_true_kernel_cuda``), so that is
+  what we do too — a true division here would differ in the last bit;
+* ``q = fp8(clamp(x / scale, ±448))`` with an IEEE division (``div_rn``; Triton's ``/`` is the
+  approximate ``div.full.f32``) and round-to-nearest-even;
+* NaN is propagated through the amax (``tl.max`` alone would drop it) and written as torch writes
+  it, ``0x7f | sign`` (the hardware cast may not keep the sign of a NaN);
+* ue8m0 rounds the scale up to a power of two by bit manipulation (== frexp/ldexp for the normal,
+  positive scales that ``max(amax, 1e-10) / 448`` can produce).
+
+Quantized tensors are stored through ``uint8`` views so no FP8 store path is involved.
+"""
+
+import triton
+import triton.language as tl
+
+_INV_FP8_MAX = tl.constexpr(1.0 / 448.0)
+_AMAX_FLOOR = tl.constexpr(1e-10)
+
+
+@triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _amax(x, axis: tl.constexpr):
+    """max(|x|) along ``axis`` that keeps NaN (like torch.amax)."""
+    return tl.reduce(tl.abs(x), axis, _max_nan)
+
+
+@triton.jit
+def _scale_from_amax(amax, UE8M0: tl.constexpr):
+    scale = tl.maximum(amax, _AMAX_FLOOR, propagate_nan=tl.PropagateNan.ALL) * _INV_FP8_MAX
+    if UE8M0:
+        bits = scale.to(tl.int32, bitcast=True)
+        exp_bits = bits & 0x7F800000
+        # Round up to 2^k: a non-zero mantissa bumps the exponent (into Inf for the largest binade).
+        up = tl.where((bits & 0x007FFFFF) != 0, exp_bits + 0x00800000, bits)
+        scale = tl.where(exp_bits != 0x7F800000, up.to(tl.float32, bitcast=True), scale)
+    return scale
+
+
+@triton.jit
+def _fp8_bits(x, scale):
+    """uint8 bit patterns of ``fp8_e4m3fn(clamp(x / scale, -448, 448))`` as torch produces them."""
+    v = tl.math.div_rn(x, scale)
+    v = tl.where(v > 448.0, 448.0, v)  # comparisons are False for NaN, which passes through
+    v = tl.where(v < -448.0, -448.0, v)
+    q = v.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
+    sign = ((v.to(tl.uint32, bitcast=True) >> 24) & 0x80).to(tl.uint8)
+    return tl.where(v != v, sign | 0x7F, q)
+
+
+@triton.jit
+def act_quant_kernel(
+    x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_xk, stride_qm, stride_sm,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, GROUPS_PER_PROG: tl.constexpr, UE8M0: tl.constexpr,
+):
+    """x [M, K] -> q [M, K] (uint8 view), s [M, ceil(K/GROUP)]; one [BLOCK_M, GROUPS_PER_PROG*GROUP] tile.
+
+    ``x`` may have any strides: for a transposed view (stride_xm == 1, specialised by Triton) the
+    loads are coalesced along M and the compiler moves the tile through shared memory for the store.
+    """
+    pid_m = tl.program_id(0)
+    pid_g = tl.program_id(1)
+    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    groups = pid_g * GROUPS_PER_PROG + tl.arange(0, GROUPS_PER_PROG)
+    cols = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # (G, GROUP)
+    mask = (rows[:, None, None] < M) & (cols[None, :, :] < K)
+    x = tl.load(x_ptr + rows[:, None, None] * stride_xm + cols[None, :, :].to(tl.int64) * stride_xk, mask=mask, other=0.0)
+    x = x.to(tl.float32)
+    scale = _scale_from_amax(_amax(x, 2), UE8M0)  # (BLOCK_M, G)
+    q = _fp8_bits(x, scale[:, :, None])
+    tl.store(q_ptr + rows[:, None, None] * stride_qm + cols[None, :, :], q, mask=mask)
+    n_groups = tl.cdiv(K, GROUP)
+    s_mask = (rows[:, None] < M) & (groups[None, :] < n_groups)
+    tl.store(s_ptr + rows[:, None] * stride_sm + groups[None, :], scale, mask=s_mask)
+
+
+@triton.jit
+def weight_quant_kernel(
+    w_ptr, q_ptr, s_ptr, N, K, stride_wn, stride_qn, stride_sn,
+    BLOCK: tl.constexpr, UE8M0: tl.constexpr,
+):
+    """w [N, K] -> q [N, K] (uint8 view), s_inv [ceil(N/BLOCK), ceil(K/BLOCK)]; one tile per program."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = (pid_n * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+    cols = pid_k * BLOCK + tl.arange(0, BLOCK)
+    mask = (rows[:, None] < N) & (cols[None, :] < K)
+    x = tl.load(w_ptr + rows[:, None] * stride_wn + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    amax = tl.reduce(_amax(x, 1), 0, _max_nan)
+    scale = _scale_from_amax(amax, UE8M0)
+    q = _fp8_bits(x, scale)
+    tl.store(q_ptr + rows[:, None] * stride_qn + cols[None, :], q, mask=mask)
+    tl.store(s_ptr + pid_n * stride_sn + pid_k, scale)
+
+
+@triton.jit
+def requant_transpose_kernel(
+    q_ptr, s_ptr, qt_ptr, st_ptr, M, K, stride_qm, stride_sm, stride_qtk, stride_stk,
+    GROUP: tl.constexpr, BLOCK_K: tl.constexpr, UE8M0: tl.constexpr,
+):
+    """q [M, K] fp8 (uint8 view) with s [M, ceil(K/GROUP)] -> qt [K, M], st [K, ceil(M/GROUP)].
+
+    Dequantizes one (GROUP tokens x BLOCK_K features) tile (``q.float() * s``, as the reference),
+    then re-quantizes it in GROUP x 1 groups along the tokens and writes it transposed.
+    BLOCK_K divides GROUP, so each tile column reads one input scale per token.
+    """
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_m * GROUP + tl.arange(0, GROUP)
+    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (rows[:, None] < M) & (cols[None, :] < K)
+    bits = tl.load(q_ptr + rows[:, None].to(tl.int64) * stride_qm + cols[None, :], mask=mask, other=0)
+    s_in = tl.load(s_ptr + rows.to(tl.int64) * stride_sm + (pid_k * BLOCK_K) // GROUP, mask=rows < M, other=0.0)
+    x = bits.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s_in[:, None]
+    x = tl.where(mask, x, 0.0)  # absent tokens never raise the amax (and 0 * inf would be NaN)
+    scale = _scale_from_amax(_amax(x, 0), UE8M0)  # (BLOCK_K,)
+    qt = tl.trans(_fp8_bits(x, scale[None, :]))  # (BLOCK_K, GROUP)
+    tl.store(qt_ptr + cols[:, None].to(tl.int64) * stride_qtk + rows[None, :], qt, mask=tl.trans(mask))
+    tl.store(st_ptr + cols.to(tl.int64) * stride_stk + pid_m, scale, mask=cols < K)
+
+
+@triton.jit
+def transpose_u8_kernel(x_ptr, y_ptr, R, C, stride_xr, stride_yc, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """y [C, R] = x [R, C].T for 1-byte elements (the FP8 weight for DGrad)."""
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (rows[:, None] < R) & (cols[None, :] < C)
+    tile = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xr + cols[None, :], mask=mask)
+    tl.store(y_ptr + cols[:, None].to(tl.int64) * stride_yc + rows[None, :], tl.trans(tile), mask=tl.trans(mask))

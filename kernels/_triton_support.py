@@ -1,0 +1,62 @@
+"""Optional-Triton plumbing shared by the GPU kernel modules.
+
+Every public kernel module must import on a CPU machine without Triton (CI has neither), so the
+``@triton.jit`` code lives in private ``_*_jit.py`` modules that are imported only on first launch.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from types import ModuleType
+
+import torch
+
+__all__ = ["cdiv", "check_cuda_2d", "check_group", "load_jit", "triton_available"]
+
+_FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@functools.cache
+def triton_available() -> bool:
+    """True when Triton imports (kernels still need a CUDA tensor to launch)."""
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception:  # ImportError, or a broken install without a driver/compiler
+        return False
+    return True
+
+
+def load_jit(module: str) -> ModuleType:
+    """Import ``jetrl_trainer.kernels.<module>`` (the ``@triton.jit`` code) on first use."""
+    if not triton_available():
+        raise RuntimeError(
+            "Triton is not installed; install the 'gpu' extra (pip install 'jetrl-trainer[gpu]') "
+            "or use the pure-torch reference in jetrl_trainer.quant.fp8."
+        )
+    return importlib.import_module(f"jetrl_trainer.kernels.{module}")
+
+
+def check_cuda_2d(x: torch.Tensor, what: str, dtypes: tuple[torch.dtype, ...] = _FLOAT_INPUTS) -> None:
+    """Validate a kernel operand: CUDA, 2-D, an allowed dtype, unit stride along the last dim."""
+    if not isinstance(x, torch.Tensor) or x.device.type != "cuda":
+        where = x.device if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(
+            f"{what} must be a CUDA tensor (got {where}); on CPU use the reference in "
+            "jetrl_trainer.quant.fp8 (jetrl_trainer.quant._dispatch picks it automatically)."
+        )
+    if x.dim() != 2:
+        raise ValueError(f"{what} must be 2-D; got shape {tuple(x.shape)}. Flatten leading dims first.")
+    if x.dtype not in dtypes:
+        allowed = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise ValueError(f"{what} must be one of {allowed}; got {x.dtype}.")
+
+
+def check_group(group: int, what: str = "group") -> None:
+    if group < 16 or group > 1024 or group & (group - 1):
+        raise ValueError(f"{what} must be a power of two in [16, 1024] for the Triton kernels; got {group}.")
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)

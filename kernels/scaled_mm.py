@@ -1,0 +1,132 @@
+"""GEMM backend ``"scaled_mm"``: cuBLASLt blockwise FP8 through ``torch._scaled_mm`` (SM90).
+
+Needs torch ≥ 2.9 built with CUDA ≥ 12.9 and a compute-capability 9.x GPU. ``_scaled_mm(a, b)``
+wants ``a [M, K]`` row-major and ``b [K, N]`` column-major (i.e. our ``[N, K]`` row-major weight,
+transposed as a view) and recognises the blockwise recipes only from the scales' shapes *and
+strides* (ATen ``is_blockwise_1x128_scaling`` / ``is_blockwise_128x128_scaling``):
+
+* 1×128 on ``a``: ``scale_a`` ``(M, ceil(K/128))`` column-major, i.e. strides ``(1, M)``;
+* 128×128 on ``b``: ``scale_b`` is the transposed *view* of the row-major ``(N/128, K/128)`` grid;
+* 1×128 on ``b`` (the wgrad form): ``scale_b`` is the transposed view of an ``(N, K/128)``
+  column-major tensor, i.e. ``s.t().contiguous()``.
+
+Departures from a bare ``_scaled_mm`` call, none of which changes a value:
+
+* ``ceil(K/128)`` is zero-padded to a multiple of 4 (data with zeros, scales with ones): some
+  torch versions want that row stride for the scale grid and silently computed garbage otherwise;
+  the padded groups add exact zeros. A ragged last K group is padded the same way.
+* ``N`` is padded to a multiple of 16 (cuBLASLt's alignment for the FP8 operand and the output);
+  the padded output columns are dropped.
+* Output dtypes other than BF16 are computed in FP32 by cuBLASLt (``out_dtype=float32``) and cast.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from jetrl_trainer.kernels.gemm import register_gemm_backend
+
+__all__ = ["scaled_mm_available", "scaled_mm_fp8_gemm_nt"]
+
+_GROUP = 128
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def _version_at_least(version: str | None, wanted: tuple[int, int]) -> bool:
+    if not version:
+        return False
+    try:
+        parts = tuple(int(p) for p in version.split("+")[0].split(".")[:2])
+    except ValueError:
+        return False
+    return parts >= wanted
+
+
+@functools.cache
+def _torch_supports_blockwise() -> bool:
+    return (
+        hasattr(torch, "_scaled_mm")
+        and _version_at_least(torch.__version__, (2, 9))
+        and _version_at_least(torch.version.cuda, (12, 9))
+    )
+
+
+def scaled_mm_available(device: torch.device) -> bool:
+    """True on an SM90 CUDA device with a torch/CUDA build that has blockwise ``_scaled_mm``."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available() or not _torch_supports_blockwise():
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_capability(index)[0] == 9
+
+
+def _pad_fp8(q: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    # F.pad has no FP8 kernel: pad the bytes (0x00 is +0.0).
+    if q.shape == (rows, cols):
+        return q
+    return F.pad(q.view(torch.uint8), (0, cols - q.shape[1], 0, rows - q.shape[0])).view(q.dtype)
+
+
+def _pad_scale(s: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    if s.shape == (rows, cols):
+        return s
+    return F.pad(s, (0, cols - s.shape[1], 0, rows - s.shape[0]), value=1.0)
+
+
+def prepare_scaled_mm_operands(
+    a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: torch.Tensor, b_granularity: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pad and lay out the operands as ``_scaled_mm`` wants them: ``(a, b [K', N'] view, scale_a, scale_b)``.
+
+    Pure torch (testable on CPU). ``K' = 128 * round_up(ceil(K/128), 4)``, ``N' = round_up(N, 16)``.
+    """
+    m, k = a_q.shape
+    n = b_q.shape[0]
+    groups = _round_up(-(-k // _GROUP), 4)
+    k_pad, n_pad = groups * _GROUP, _round_up(n, 16)
+    a_q = _pad_fp8(a_q.contiguous(), m, k_pad)
+    b_q = _pad_fp8(b_q.contiguous(), n_pad, k_pad)
+    scale_a = _column_major(_pad_scale(a_s, m, groups))  # (M, G') strides (1, M)
+    if b_granularity == "block":
+        scale_b = _pad_scale(b_s, b_s.shape[0], groups).contiguous().t()  # view of (Nb, G') row-major
+    else:
+        scale_b = _column_major(_pad_scale(b_s, n_pad, groups)).t()  # (G', N'); .t() is (N', G') col-major
+    return a_q, b_q.t(), scale_a, scale_b
+
+
+def _column_major(s: torch.Tensor) -> torch.Tensor:
+    # Explicit strides: `.t().contiguous().t()` keeps odd strides when a dim has size 1.
+    if s.stride() == (1, s.shape[0]):
+        return s
+    return torch.empty_strided(s.shape, (1, s.shape[0]), dtype=s.dtype, device=s.device).copy_(s)
+
+
+def scaled_mm_fp8_gemm_nt(
+    a_q: torch.Tensor,
+    a_s: torch.Tensor,
+    b_q: torch.Tensor,
+    b_s: torch.Tensor,
+    b_granularity: str,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``deq(a) @ deq(b).T`` through cuBLASLt; see the module docstring for the layouts."""
+    if a_q.shape[0] == 0 or b_q.shape[0] == 0:
+        return torch.zeros(a_q.shape[0], b_q.shape[0], dtype=out_dtype, device=a_q.device)
+    n = b_q.shape[0]
+    a, b, scale_a, scale_b = prepare_scaled_mm_operands(a_q, a_s, b_q, b_s, b_granularity)
+    mm_dtype = out_dtype if out_dtype == torch.bfloat16 else torch.float32
+    out = torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=mm_dtype)
+    if out.shape[1] != n:
+        out = out[:, :n]
+    if out.dtype != out_dtype or not out.is_contiguous():
+        out = out.to(out_dtype).contiguous()
+    return out
+
+
+register_gemm_backend("scaled_mm", scaled_mm_fp8_gemm_nt, is_available=scaled_mm_available, priority=20)

@@ -1,0 +1,88 @@
+"""GEMM backend ``"triton"``: a portable blockwise-scaled FP8 GEMM in Triton.
+
+The fallback for GPUs or builds without cuBLASLt blockwise scaling (any GPU with FP8 tensor
+cores that Triton supports: SM89/SM90+). Same contract as every backend (``kernels/gemm.py``):
+``a [M, K]`` FP8 row-major with ``a_s [M, ceil(K/128)]``; ``b [N, K]`` FP8 row-major with
+``b_s [ceil(N/128), ceil(K/128)]`` ("block") or ``[N, ceil(K/128)]`` ("group"); scales may have
+any strides. Ragged M, N, K need no padding (masked loads). Tile sizes are chosen by a fixed
+heuristic rather than autotuning, because autotuning would time kernels (host syncs) on the first
+call, which breaks CUDA-graph capture.
+
+Departure from a textbook FP8 GEMM: each 128-wide K group is accumulated into a fresh tile and
+scaled before it joins the FP32 accumulator (blockwise scaling needs it; see the jit module).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from jetrl_trainer.kernels._triton_support import cdiv, load_jit, triton_available
+from jetrl_trainer.kernels.gemm import register_gemm_backend
+
+__all__ = ["triton_fp8_gemm_nt", "triton_gemm_available"]
+
+_FP8 = torch.float8_e4m3fn
+_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def triton_gemm_available(device: torch.device) -> bool:
+    """True on a CUDA device with FP8 tensor cores (compute capability ≥ 8.9) when Triton imports."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available() or not triton_available():
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_capability(index) >= (8, 9)
+
+
+def _config(m: int, n: int) -> dict:
+    # Decode-sized M: the GEMM is bound by reading B, so spread N over many programs.
+    if m <= 64:
+        block_n = 64 if cdiv(n, 64) >= 132 else 32
+        return dict(BLOCK_M=64, BLOCK_N=block_n, GROUP_M=1, num_warps=4, num_stages=4)
+    return dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=4)
+
+
+@torch.library.custom_op("jetrl::triton_fp8_gemm_nt", mutates_args=(), device_types="cuda")
+def _gemm_op(
+    a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: torch.Tensor, b_block: bool, out_dtype: torch.dtype
+) -> torch.Tensor:
+    jit = load_jit("_triton_gemm_jit")
+    m, k = a_q.shape
+    n = b_q.shape[0]
+    out = torch.empty((m, n), dtype=out_dtype, device=a_q.device)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    cfg = _config(m, n)
+    grid = (cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"]),)
+    jit.fp8_gemm_nt_kernel[grid](
+        a_q, b_q, out, a_s, b_s, m, n, k,
+        a_q.stride(0), b_q.stride(0), out.stride(0), a_s.stride(0), a_s.stride(1), b_s.stride(0), b_s.stride(1),
+        B_BLOCK=b_block, BLOCK_K=128, **cfg,
+    )
+    return out
+
+
+@_gemm_op.register_fake
+def _(a_q, a_s, b_q, b_s, b_block, out_dtype):
+    return a_q.new_empty((a_q.shape[0], b_q.shape[0]), dtype=out_dtype)
+
+
+def triton_fp8_gemm_nt(
+    a_q: torch.Tensor,
+    a_s: torch.Tensor,
+    b_q: torch.Tensor,
+    b_s: torch.Tensor,
+    b_granularity: str,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``deq(a) @ deq(b).T`` with FP32 accumulation; operands as in ``kernels/gemm.py``."""
+    if out_dtype not in _OUT_DTYPES:
+        raise ValueError(f"out_dtype must be one of {_OUT_DTYPES}; got {out_dtype}.")
+    a_q = a_q if a_q.stride(-1) == 1 else a_q.contiguous()
+    b_q = b_q if b_q.stride(-1) == 1 else b_q.contiguous()
+    return torch.ops.jetrl.triton_fp8_gemm_nt(a_q, a_s, b_q, b_s, b_granularity == "block", out_dtype)
+
+
+register_gemm_backend("triton", triton_fp8_gemm_nt, is_available=triton_gemm_available, priority=10)

@@ -1,0 +1,209 @@
+"""Triton FP8 quantization kernels: bit-identical to ``jetrl_trainer.quant.fp8`` on CUDA.
+
+The references these kernels must reproduce are the pure-torch functions in ``quant/fp8.py``
+(run on the same CUDA input); the GPU tests compare every output bit. Each host wrapper is a
+``torch.library.custom_op`` with a fake implementation, so it traces under ``torch.compile`` and
+can be captured in a CUDA graph: no host syncs, shapes only from metadata.
+
+Memory layouts (all outputs freshly allocated, row-major/contiguous):
+
+=========================  ======================================  ==================================
+function                   inputs                                  outputs
+=========================  ======================================  ==================================
+``act_quant_fp8``          x [M, K] (fp32/bf16/fp16, any           q [M, K] fp8_e4m3fn,
+                           strides)                                 s [M, ceil(K/g)] fp32
+``weight_quant_fp8``       w [N, K]                                q [N, K], s_inv [ceil(N/b), ceil(K/b)]
+``requant_transpose_fp8``  q [M, K] fp8, s [M, ceil(K/g)]           qt [K, M], st [K, ceil(M/g)]
+``transpose_fp8_blocks``   q [N, K] fp8, s_inv [Nb, Kb]             q.t() [K, N], s_inv.t() [Kb, Nb]
+=========================  ======================================  ==================================
+
+Departure from the reference: none in values. The kernels only accept CUDA tensors and power-of-two
+group sizes in [16, 1024]; ``jetrl_trainer.quant._dispatch`` falls back to the reference elsewhere.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._triton_support import cdiv, check_cuda_2d, check_group, load_jit, triton_available
+
+__all__ = [
+    "act_quant_fp8",
+    "requant_transpose_fp8",
+    "transpose_fp8_blocks",
+    "triton_available",
+    "weight_quant_fp8",
+]
+
+_FP8 = torch.float8_e4m3fn
+_SCALE_FORMATS = ("fp32", "ue8m0")
+
+
+def _check_scale_format(scale_format: str) -> None:
+    if scale_format not in _SCALE_FORMATS:
+        raise ValueError(f"Unknown scale_format {scale_format!r}; allowed: {', '.join(_SCALE_FORMATS)}.")
+
+
+def _unit_stride(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+# --------------------------------------------------------------------------------------------
+# act_quant_fp8: 1 x group along K
+# --------------------------------------------------------------------------------------------
+@torch.library.custom_op("jetrl::act_quant_fp8", mutates_args=(), device_types="cuda")
+def _act_quant_op(x: torch.Tensor, group: int, scale_format: str) -> tuple[torch.Tensor, torch.Tensor]:
+    jit = load_jit("_triton_quant_jit")
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=_FP8, device=x.device)
+    s = torch.empty((m, cdiv(k, group)), dtype=torch.float32, device=x.device)
+    if m == 0 or k == 0:
+        return q, s
+    # ~32 KB of input per program: enough bytes in flight, small enough for registers.
+    groups_per_prog = 2 if group <= 128 and cdiv(k, group) >= 2 else 1
+    block_m = max(1, min(16, 8192 // (group * groups_per_prog)))
+    grid = (cdiv(m, block_m), cdiv(cdiv(k, group), groups_per_prog))
+    jit.act_quant_kernel[grid](
+        x, q.view(torch.uint8), s, m, k, x.stride(0), x.stride(1), q.stride(0), s.stride(0),
+        GROUP=group, BLOCK_M=block_m, GROUPS_PER_PROG=groups_per_prog, UE8M0=scale_format == "ue8m0",
+        num_warps=4,
+    )
+    return q, s
+
+
+@_act_quant_op.register_fake
+def _(x, group, scale_format):
+    m, k = x.shape
+    return x.new_empty((m, k), dtype=_FP8), x.new_empty((m, cdiv(k, group)), dtype=torch.float32)
+
+
+def act_quant_fp8(
+    x: torch.Tensor, *, group: int = 128, scale_format: str = "fp32"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """1×``group`` activation quantization along the last dim; == ``quantize_fp8_groups`` bit for bit.
+
+    ``x`` is a CUDA tensor ``[M, K]`` (fp32/bf16/fp16) with any strides — pass ``dy.t()`` directly
+    rather than ``dy.t().contiguous()``: the kernel reads the transposed view coalesced, saving a
+    copy. Returns ``q [M, K] float8_e4m3fn`` and ``s [M, ceil(K/group)] float32``, both contiguous.
+    """
+    check_cuda_2d(x, "x")
+    check_group(group)
+    _check_scale_format(scale_format)
+    return torch.ops.jetrl.act_quant_fp8(x, group, scale_format)
+
+
+# --------------------------------------------------------------------------------------------
+# weight_quant_fp8: block x block tiles
+# --------------------------------------------------------------------------------------------
+@torch.library.custom_op("jetrl::weight_quant_fp8", mutates_args=(), device_types="cuda")
+def _weight_quant_op(w: torch.Tensor, block: int, scale_format: str) -> tuple[torch.Tensor, torch.Tensor]:
+    jit = load_jit("_triton_quant_jit")
+    n, k = w.shape
+    q = torch.empty((n, k), dtype=_FP8, device=w.device)
+    s = torch.empty((cdiv(n, block), cdiv(k, block)), dtype=torch.float32, device=w.device)
+    if n == 0 or k == 0:
+        return q, s
+    jit.weight_quant_kernel[(s.shape[0], s.shape[1])](
+        w, q.view(torch.uint8), s, n, k, w.stride(0), q.stride(0), s.stride(0),
+        BLOCK=block, UE8M0=scale_format == "ue8m0", num_warps=8,
+    )
+    return q, s
+
+
+@_weight_quant_op.register_fake
+def _(w, block, scale_format):
+    n, k = w.shape
+    return w.new_empty((n, k), dtype=_FP8), w.new_empty((cdiv(n, block), cdiv(k, block)), dtype=torch.float32)
+
+
+def weight_quant_fp8(
+    w: torch.Tensor, *, block: int = 128, scale_format: str = "fp32"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``block``×``block`` weight quantization; == ``quantize_fp8_blocks`` bit for bit.
+
+    ``w`` is a CUDA tensor ``[N, K]`` (unit stride along K). Returns ``q [N, K] float8_e4m3fn`` and
+    ``s_inv [ceil(N/block), ceil(K/block)] float32`` (the dequantization multiplier), contiguous.
+    """
+    check_cuda_2d(w, "weight")
+    check_group(block, "block")
+    _check_scale_format(scale_format)
+    return torch.ops.jetrl.weight_quant_fp8(_unit_stride(w), block, scale_format)
+
+
+# --------------------------------------------------------------------------------------------
+# requant_transpose_fp8: the WGrad operand, re-grouped along tokens
+# --------------------------------------------------------------------------------------------
+@torch.library.custom_op("jetrl::requant_transpose_fp8", mutates_args=(), device_types="cuda")
+def _requant_transpose_op(
+    q: torch.Tensor, s: torch.Tensor, group: int, scale_format: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    jit = load_jit("_triton_quant_jit")
+    m, k = q.shape
+    qt = torch.empty((k, m), dtype=_FP8, device=q.device)
+    st = torch.empty((k, cdiv(m, group)), dtype=torch.float32, device=q.device)
+    if m == 0 or k == 0:
+        return qt, st
+    block_k = min(group, 64)  # (group x 64) tile: 8 KB of FP8 in, the transpose goes through SMEM
+    jit.requant_transpose_kernel[(cdiv(m, group), cdiv(k, block_k))](
+        q.view(torch.uint8), s, qt.view(torch.uint8), st, m, k, q.stride(0), s.stride(0), qt.stride(0), st.stride(0),
+        GROUP=group, BLOCK_K=block_k, UE8M0=scale_format == "ue8m0", num_warps=4,
+    )
+    return qt, st
+
+
+@_requant_transpose_op.register_fake
+def _(q, s, group, scale_format):
+    m, k = q.shape
+    return q.new_empty((k, m), dtype=_FP8), q.new_empty((k, cdiv(m, group)), dtype=torch.float32)
+
+
+def requant_transpose_fp8(
+    q: torch.Tensor, s: torch.Tensor, *, group: int = 128, scale_format: str = "fp32"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dequantize → transpose → re-quantize 1×``group`` along the old rows (tokens), fused.
+
+    == ``quantize_fp8_groups(dequantize_fp8_groups(q, s, group).t().contiguous(), group)``.
+    ``q [M, K] float8_e4m3fn`` (unit stride along K) with ``s [M, ceil(K/group)] float32``;
+    returns ``qt [K, M] float8_e4m3fn`` and ``st [K, ceil(M/group)] float32``, contiguous.
+    """
+    check_cuda_2d(q, "q", (_FP8,))
+    check_cuda_2d(s, "s", (torch.float32,))
+    check_group(group)
+    _check_scale_format(scale_format)
+    expected = (q.shape[0], cdiv(q.shape[1], group))
+    if tuple(s.shape) != expected:
+        raise ValueError(f"s has shape {tuple(s.shape)}; expected {expected} for q {tuple(q.shape)}, group={group}.")
+    return torch.ops.jetrl.requant_transpose_fp8(_unit_stride(q), _unit_stride(s), group, scale_format)
+
+
+# --------------------------------------------------------------------------------------------
+# transpose_fp8_blocks: the DGrad operand (no re-quantization)
+# --------------------------------------------------------------------------------------------
+@torch.library.custom_op("jetrl::transpose_fp8_blocks", mutates_args=(), device_types="cuda")
+def _transpose_blocks_op(q: torch.Tensor, s_inv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    jit = load_jit("_triton_quant_jit")
+    n, k = q.shape
+    qt = torch.empty((k, n), dtype=_FP8, device=q.device)
+    if n and k:
+        jit.transpose_u8_kernel[(cdiv(n, 64), cdiv(k, 64))](
+            q.view(torch.uint8), qt.view(torch.uint8), n, k, q.stride(0), qt.stride(0),
+            BLOCK_R=64, BLOCK_C=64, num_warps=4,
+        )
+    return qt, s_inv.t().contiguous()
+
+
+@_transpose_blocks_op.register_fake
+def _(q, s_inv):
+    n, k = q.shape
+    return q.new_empty((k, n)), s_inv.new_empty((s_inv.shape[1], s_inv.shape[0]))
+
+
+def transpose_fp8_blocks(q: torch.Tensor, s_inv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q.t().contiguous(), s_inv.t().contiguous())`` for a 128×128-block FP8 weight.
+
+    ``q [N, K] float8_e4m3fn``, ``s_inv [Nb, Kb] float32``; returns ``[K, N]`` and ``[Kb, Nb]``,
+    contiguous. Transposing a block grid needs no re-quantization, so the values are unchanged.
+    """
+    check_cuda_2d(q, "q", (_FP8,))
+    check_cuda_2d(s_inv, "s_inv", (torch.float32,))
+    return torch.ops.jetrl.transpose_fp8_blocks(_unit_stride(q), s_inv)

@@ -1,0 +1,163 @@
+"""CPU-side checks of the GPU kernel modules: import without Triton/CUDA, registry, layouts, references."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from jetrl_trainer.kernels import available_gemm_backends, fp8_gemm_nt, registered_gemm_backends
+from jetrl_trainer.kernels.scaled_mm import prepare_scaled_mm_operands, scaled_mm_available
+from jetrl_trainer.kernels.triton_gemm import triton_gemm_available
+from jetrl_trainer.kernels.triton_norm import _pairwise_sum, rmsnorm_reference
+from jetrl_trainer.kernels.triton_swiglu import swiglu_reference
+from jetrl_trainer.quant.fp8 import quantize_fp8_blocks, quantize_fp8_groups
+
+
+def test_kernels_import_and_fall_back_without_triton():
+    # A fresh interpreter in which `import triton` fails, whatever is installed here.
+    code = textwrap.dedent(
+        """
+        import sys, torch
+        sys.modules["triton"] = None
+        import jetrl_trainer.kernels as k
+        from jetrl_trainer.quant import _dispatch
+        assert not k.triton_available()
+        for name in ("act_quant_fp8", "weight_quant_fp8", "requant_transpose_fp8", "transpose_fp8_blocks",
+                     "rmsnorm_quant_fp8", "swiglu_quant_fp8"):
+            assert callable(getattr(k, name)), name
+        assert {"scaled_mm", "triton", "emulated"} <= set(k.registered_gemm_backends())
+        assert k.available_gemm_backends("cpu") == ["emulated"]
+        try:
+            k.act_quant_fp8(torch.ones(2, 128))
+        except ValueError as e:
+            assert "CUDA" in str(e)
+        else:
+            raise AssertionError("a CPU tensor must be refused")
+        q, s = _dispatch.act_quant_fp8(torch.ones(2, 128))  # the reference runs instead
+        assert torch.equal(s, torch.ones(2, 1) / 448.0) and torch.equal(q.float(), torch.full((2, 128), 448.0))
+        print("ok")
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_registry_on_cpu():
+    assert {"scaled_mm", "triton", "emulated"} <= set(registered_gemm_backends())
+    assert available_gemm_backends("cpu") == ["emulated"]
+    assert not scaled_mm_available(torch.device("cpu"))
+    assert not triton_gemm_available(torch.device("cpu"))
+    order = registered_gemm_backends()
+    assert order.index("scaled_mm") < order.index("triton") < order.index("emulated")
+
+
+def test_forcing_a_gpu_backend_on_cpu_is_a_value_error():
+    a = quantize_fp8_groups(torch.randn(4, 128))
+    b = quantize_fp8_blocks(torch.randn(8, 128))
+    with pytest.raises(ValueError, match="not available"):
+        fp8_gemm_nt(a, b, backend="scaled_mm")
+
+
+def _is_blockwise_1x128(t: torch.Tensor, scale: torch.Tensor) -> bool:
+    # Python transcription of ATen's is_blockwise_1x128_scaling (ScaledBlas.cpp).
+    return (
+        scale.dtype == torch.float32
+        and scale.dim() == 2
+        and scale.shape == (t.shape[0], -(-t.shape[1] // 128))
+        and (scale.shape[0] == 1 or scale.stride(0) == 1)  # ATen ignores the stride of a size-1 dim
+        and (scale.shape[1] == 1 or scale.stride(1) == t.shape[0])
+    )
+
+
+def _is_blockwise_128x128(t: torch.Tensor, scale: torch.Tensor) -> bool:
+    groups = -(-t.shape[1] // 128)
+    return (
+        scale.dtype == torch.float32
+        and scale.shape == (-(-t.shape[0] // 128), groups)
+        and scale.stride(0) in (groups, -(-groups // 4) * 4)
+        and scale.stride(1) == 1
+    )
+
+
+@pytest.mark.parametrize("granularity", ("block", "group"))
+@pytest.mark.parametrize("m,n,k", [(7, 100, 300), (64, 256, 512), (1, 130, 640), (33, 48, 100)])
+def test_scaled_mm_operands_layout_and_padding(m, n, k, granularity):
+    torch.manual_seed(m + n + k)
+    a_q, a_s = quantize_fp8_groups(torch.randn(m, k))
+    b_q, b_s = quantize_fp8_blocks(torch.randn(n, k)) if granularity == "block" else quantize_fp8_groups(torch.randn(n, k))
+    a, b, sa, sb = prepare_scaled_mm_operands(a_q, a_s, b_q, b_s, granularity)
+    k_pad = -(-k // 512) * 512  # ceil(K/128) rounded up to a multiple of 4 groups
+    n_pad = -(-n // 16) * 16
+    assert a.shape == (m, k_pad) and a.is_contiguous()
+    assert b.shape == (k_pad, n_pad) and b.stride() == (1, k_pad)  # column-major [K, N]
+    assert _is_blockwise_1x128(a, sa)
+    bt = b.t()  # ATen checks scale_b.t() against b.t() = [N', K'] row-major
+    assert (_is_blockwise_128x128 if granularity == "block" else _is_blockwise_1x128)(bt, sb.t())
+    # Padding adds exact zeros: the emulated GEMM on padded operands equals the unpadded one.
+    want = fp8_gemm_nt((a_q, a_s), (b_q, b_s), b_granularity=granularity, out_dtype=torch.float32)
+    b_rows = bt.contiguous()
+    sb_rows = sb.t().contiguous()
+    got = fp8_gemm_nt((a, sa.contiguous()), (b_rows, sb_rows), b_granularity=granularity, out_dtype=torch.float32)
+    assert torch.equal(got[:, :n], want)
+    assert torch.equal(got[:, n:], torch.zeros_like(got[:, n:]))
+
+
+def test_pairwise_sum_order_is_the_kernels_tree():
+    v = torch.tensor([1.0, 2.0, 3.0])
+    assert _pairwise_sum(v).item() == 6.0
+    # In FP32, 1e8 + 1 == 1e8: a left-to-right sum gives 1, the adjacent-pair tree gives 0.
+    w = torch.tensor([1e8, 1.0, -1e8, 1.0])
+    assert ((w[0] + w[1]) + w[2]) + w[3] == 1.0
+    assert _pairwise_sum(w).item() == 0.0
+
+
+def test_rmsnorm_reference_is_close_to_transformers():
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    torch.manual_seed(0)
+    norm = Qwen3RMSNorm(1000, eps=1e-6).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.normal_(1.0, 0.1)
+        x = (torch.randn(64, 1000) * 3).to(torch.bfloat16)
+        expected = norm(x)
+        got = rmsnorm_reference(x, norm.weight, 1e-6)
+    assert got.dtype == torch.bfloat16
+    diff = (got.float() - expected.float()).abs()
+    assert bool((diff <= expected.float().abs() * 2.0**-7).all())  # ≤ 1 BF16 ulp
+    assert (diff == 0).float().mean().item() > 0.95
+
+
+def test_rmsnorm_reference_hand_computed():
+    x = torch.tensor([[3.0, 4.0]])  # mean(x²) = 12.5
+    y = rmsnorm_reference(x, torch.tensor([1.0, 2.0]), 0.0)
+    want = torch.tensor([[3.0, 8.0]]) / torch.tensor(12.5).sqrt()
+    assert torch.allclose(y, want, rtol=0, atol=1e-7)
+
+
+def test_swiglu_reference_is_silu_times_up():
+    g = torch.tensor([0.0, 1.0, -2.0])
+    u = torch.tensor([5.0, 2.0, 1.0])
+    want = torch.tensor([0.0, 2.0 / (1.0 + torch.exp(torch.tensor(-1.0)).item()), -2.0 / (1.0 + torch.exp(torch.tensor(2.0)).item())])
+    assert torch.allclose(swiglu_reference(g, u), want, rtol=1e-6)
+
+
+def test_custom_op_fake_shapes_on_meta():
+    import jetrl_trainer.kernels  # noqa: F401  (registers the ops)
+
+    x = torch.empty(300, 520, device="meta", dtype=torch.bfloat16)
+    q, s = torch.ops.jetrl.act_quant_fp8(x, 128, "fp32")
+    assert q.shape == (300, 520) and q.dtype == torch.float8_e4m3fn and s.shape == (300, 5)
+    qt, st = torch.ops.jetrl.requant_transpose_fp8(q, s, 128, "fp32")
+    assert qt.shape == (520, 300) and st.shape == (520, 3)
+    wq, ws = torch.ops.jetrl.weight_quant_fp8(x, 128, "fp32")
+    assert ws.shape == (3, 5)
+    wt, wst = torch.ops.jetrl.transpose_fp8_blocks(wq, ws)
+    assert wt.shape == (520, 300) and wst.shape == (5, 3)
+    y, q2, s2 = torch.ops.jetrl.rmsnorm_quant_fp8(x, torch.empty(520, device="meta", dtype=torch.float32), 1e-6, "fp32")
+    assert y.dtype == torch.float32 and s2.shape == (300, 5)
+    out = torch.ops.jetrl.triton_fp8_gemm_nt(q, s, wq[:, :520], torch.empty(300, 5, device="meta"), False, torch.bfloat16)
+    assert out.shape == (300, 300) and out.dtype == torch.bfloat16

@@ -1,0 +1,244 @@
+"""Triton quant kernels vs the pure-torch references, bit for bit, on the same CUDA input.
+
+The reference runs on CUDA too: ATen computes ``amax / 448`` there as a multiply by the FP32
+reciprocal, so CPU and CUDA references can differ in a scale's last bit (see kernels/_triton_quant_jit.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from jetrl_trainer.kernels import triton_available
+from jetrl_trainer.quant.fp8 import dequantize_fp8_groups, quantize_fp8_blocks, quantize_fp8_groups
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not triton_available(), reason="needs Triton"),
+]
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+FORMATS = ("fp32", "ue8m0")
+ACT_SHAPES = ((1, 1), (3, 100), (7, 128), (33, 300), (130, 1000), (257, 4096), (64, 12288))
+
+
+def assert_bits_equal(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    """Bitwise equality (NaN payloads included); reports the first mismatching coordinate."""
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
+    as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[actual.element_size()]
+    a, e = actual.contiguous().view(as_int), expected.contiguous().view(as_int)
+    bad = (a != e).nonzero()
+    if len(bad):
+        idx = tuple(bad[0].tolist())
+        raise AssertionError(
+            f"{what}: {len(bad)} of {a.numel()} differ; first at {idx}: "
+            f"got {actual[idx].float().item()!r} (bits {a[idx].item()}), expected {expected[idx].float().item()!r} (bits {e[idx].item()})"
+        )
+
+
+def _activations(m: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Random rows with the cases that break kernels: wide range, an all-zero group, ±0, NaN, Inf,
+    subnormals and values that round across a binade boundary."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(m, k, device="cuda", generator=g) * torch.logspace(-3, 3, m, device="cuda")[:, None]
+    if m >= 4 and k >= 2:
+        x[0, : min(k, 128)] = 0.0
+        x[1, 0] = float("nan")
+        x[2, k - 1] = float("inf")
+        x[3, 0] = -float("inf")
+        x[3, 1:] = torch.randn(k - 1, device="cuda", generator=g) * 1e-39  # subnormal in fp32/bf16
+    if m >= 6 and k >= 3:
+        x[5, :3] = torch.tensor([-0.0, 127.6, -447.9], device="cuda")
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("scale_format", FORMATS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", ACT_SHAPES)
+def test_act_quant_bit_exact(shape, dtype, scale_format):
+    from jetrl_trainer.kernels import act_quant_fp8
+
+    x = _activations(*shape, dtype, seed=shape[0] * 7 + shape[1])
+    q, s = act_quant_fp8(x, scale_format=scale_format)
+    rq, rs = quantize_fp8_groups(x, 128, scale_format=scale_format)
+    assert_bits_equal(s, rs, "scale")
+    assert_bits_equal(q, rq, "q")
+
+
+@pytest.mark.parametrize("layout", ("transposed", "row_slice"))
+def test_act_quant_strided_input(layout):
+    from jetrl_trainer.kernels import act_quant_fp8
+
+    base = _activations(300, 520, torch.bfloat16, seed=3)
+    x = base.t() if layout == "transposed" else base[:, 8:400]
+    q, s = act_quant_fp8(x)
+    rq, rs = quantize_fp8_groups(x.contiguous(), 128)
+    assert_bits_equal(s, rs, "scale")
+    assert_bits_equal(q, rq, "q")
+
+
+@pytest.mark.parametrize("group", (32, 64, 256))
+def test_act_quant_other_groups(group):
+    from jetrl_trainer.kernels import act_quant_fp8
+
+    x = _activations(50, 700, torch.bfloat16, seed=group)
+    q, s = act_quant_fp8(x, group=group)
+    rq, rs = quantize_fp8_groups(x, group)
+    assert_bits_equal(s, rs, "scale")
+    assert_bits_equal(q, rq, "q")
+
+
+@pytest.mark.parametrize("scale_format", FORMATS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", ((1, 1), (128, 128), (300, 500), (1000, 130), (4096, 4096)))
+def test_weight_quant_bit_exact(shape, dtype, scale_format):
+    from jetrl_trainer.kernels import weight_quant_fp8
+
+    w = (_activations(*shape, torch.float32, seed=shape[0] + 11) * 1e-3).to(dtype)
+    q, s = weight_quant_fp8(w, scale_format=scale_format)
+    rq, rs = quantize_fp8_blocks(w, 128, scale_format=scale_format)
+    assert_bits_equal(s, rs, "scale_inv")
+    assert_bits_equal(q, rq, "q")
+
+
+@pytest.mark.parametrize("scale_format", FORMATS)
+@pytest.mark.parametrize("shape", ((1, 1), (5, 64), (128, 128), (300, 200), (257, 4096), (8192, 1024)))
+def test_requant_transpose_bit_exact(shape, scale_format):
+    from jetrl_trainer.kernels import requant_transpose_fp8
+
+    x = _activations(*shape, torch.bfloat16, seed=shape[0])
+    q, s = quantize_fp8_groups(x, 128, scale_format=scale_format)
+    qt, st = requant_transpose_fp8(q, s, scale_format=scale_format)
+    rq, rs = quantize_fp8_groups(dequantize_fp8_groups(q, s).t().contiguous(), 128, scale_format=scale_format)
+    assert_bits_equal(st, rs, "st")
+    assert_bits_equal(qt, rq, "qt")
+
+
+@pytest.mark.parametrize("shape", ((1, 1), (100, 300), (4096, 12288)))
+def test_transpose_fp8_blocks_exact(shape):
+    from jetrl_trainer.kernels import transpose_fp8_blocks
+
+    w = torch.randn(shape, device="cuda")
+    q, s = quantize_fp8_blocks(w)
+    qt, st = transpose_fp8_blocks(q, s)
+    assert_bits_equal(qt, q.t().contiguous(), "qt")
+    assert_bits_equal(st, s.t().contiguous(), "st")
+    assert qt.is_contiguous() and st.is_contiguous()
+
+
+@pytest.mark.parametrize("scale_format", FORMATS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", ((1, 128), (3, 100), (64, 1000), (257, 4096), (16, 5120)))
+def test_rmsnorm_quant_bit_exact(shape, dtype, scale_format):
+    from jetrl_trainer.kernels import rmsnorm_quant_fp8, rmsnorm_reference
+
+    g = torch.Generator(device="cuda").manual_seed(shape[1])
+    x = (torch.randn(shape, device="cuda", generator=g) * 3).to(dtype)
+    w = (1 + 0.1 * torch.randn(shape[1], device="cuda", generator=g)).to(dtype)
+    y, q, s = rmsnorm_quant_fp8(x, w, 1e-6, scale_format=scale_format)
+    ry = rmsnorm_reference(x, w, 1e-6)
+    rq, rs = quantize_fp8_groups(ry, 128, scale_format=scale_format)
+    assert_bits_equal(y, ry, "y")
+    assert_bits_equal(s, rs, "scale")
+    assert_bits_equal(q, rq, "q")
+
+
+def test_rmsnorm_reference_close_to_transformers():
+    """Not bit-exact by design (tree sum, sqrt+div instead of rsqrt): ≤ 1 BF16 ulp, mostly equal."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    from jetrl_trainer.kernels import rmsnorm_quant_fp8
+
+    norm = Qwen3RMSNorm(4096, eps=1e-6).to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.normal_(1.0, 0.1)
+    x = (torch.randn(512, 4096, device="cuda") * 2).to(torch.bfloat16)
+    with torch.no_grad():
+        expected = norm(x)
+        y, _, _ = rmsnorm_quant_fp8(x, norm.weight, norm.variance_epsilon)
+    diff = (y.float() - expected.float()).abs()
+    ulp = expected.float().abs() * 2.0**-7  # one BF16 ulp is at most 2^-7 relative
+    assert bool((diff <= ulp).all()), f"max diff {diff.max().item()}"
+    assert (diff == 0).float().mean().item() > 0.95
+
+
+@pytest.mark.parametrize("scale_format", FORMATS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", ((1, 1), (3, 100), (64, 1000), (257, 12288)))
+def test_swiglu_quant_bit_exact(shape, dtype, scale_format):
+    from jetrl_trainer.kernels import swiglu_quant_fp8, swiglu_reference
+
+    g = torch.Generator(device="cuda").manual_seed(shape[0])
+    gate = (torch.randn(shape, device="cuda", generator=g) * 4).to(dtype)
+    up = torch.randn(shape, device="cuda", generator=g).to(dtype)
+    if shape[1] >= 4:
+        gate[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])
+    h, q, s = swiglu_quant_fp8(gate, up, scale_format=scale_format)
+    rh = swiglu_reference(gate, up)
+    rq, rs = quantize_fp8_groups(rh, 128, scale_format=scale_format)
+    assert_bits_equal(h, rh, "h")
+    assert_bits_equal(s, rs, "scale")
+    assert_bits_equal(q, rq, "q")
+
+
+def test_swiglu_matches_qwen3_mlp_activation():
+    """The reference *is* the transformers computation: act_fn(gate) * up."""
+    from transformers import Qwen3Config
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP
+
+    from jetrl_trainer.kernels import swiglu_quant_fp8
+
+    mlp = Qwen3MLP(Qwen3Config(hidden_size=256, intermediate_size=768)).to("cuda", torch.bfloat16)
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        gate, up = mlp.gate_proj(x), mlp.up_proj(x)
+        h, _, _ = swiglu_quant_fp8(gate, up)
+        assert_bits_equal(h, mlp.act_fn(gate) * up, "h")
+
+
+def test_custom_ops_pass_opcheck():
+    """Schema, fake (meta) implementations and dispatcher registration of every custom op."""
+    from jetrl_trainer.kernels import act_quant_fp8  # noqa: F401  (registers the ops)
+
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+    q, s = quantize_fp8_groups(x)
+    wq, ws = quantize_fp8_blocks(x)
+    cases = [
+        (torch.ops.jetrl.act_quant_fp8.default, (x, 128, "fp32")),
+        (torch.ops.jetrl.weight_quant_fp8.default, (x, 128, "ue8m0")),
+        (torch.ops.jetrl.requant_transpose_fp8.default, (q, s, 128, "fp32")),
+        (torch.ops.jetrl.transpose_fp8_blocks.default, (wq, ws)),
+        (torch.ops.jetrl.rmsnorm_quant_fp8.default, (x, torch.ones(256, device="cuda", dtype=torch.bfloat16), 1e-6, "fp32")),
+        (torch.ops.jetrl.swiglu_quant_fp8.default, (x, x, "fp32")),
+    ]
+    for op, args in cases:
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+
+
+def test_kernels_compile_fullgraph():
+    """The custom ops trace under torch.compile with no graph break and give the same bits."""
+    from jetrl_trainer.kernels import act_quant_fp8, requant_transpose_fp8
+
+    def step(x):
+        q, s = act_quant_fp8(x)
+        return requant_transpose_fp8(q, s)
+
+    x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
+    compiled = torch.compile(step, fullgraph=True)
+    for got, want in zip(compiled(x), step(x)):
+        assert_bits_equal(got, want, "compiled")
+
+
+def test_bad_input_is_value_error():
+    from jetrl_trainer.kernels import act_quant_fp8, requant_transpose_fp8
+
+    with pytest.raises(ValueError, match="CUDA"):
+        act_quant_fp8(torch.randn(4, 128))
+    with pytest.raises(ValueError, match="power of two"):
+        act_quant_fp8(torch.randn(4, 128, device="cuda"), group=100)
+    with pytest.raises(ValueError, match="scale_format"):
+        act_quant_fp8(torch.randn(4, 128, device="cuda"), scale_format="e4m3")
+    q, s = quantize_fp8_groups(torch.randn(4, 256, device="cuda"))
+    with pytest.raises(ValueError, match="expected"):
+        requant_transpose_fp8(q, s[:, :1])
