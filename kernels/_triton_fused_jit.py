@@ -32,7 +32,7 @@ def _store_quantized_row(y, row, K, q_ptr, s_ptr, stride_qm, stride_sm,
 
 @triton.jit
 def rmsnorm_quant_kernel(
-    x_ptr, w_ptr, y_ptr, q_ptr, s_ptr, K, eps, stride_xm, stride_ym, stride_qm, stride_sm,
+    x_ptr, w_ptr, y_ptr, q_ptr, s_ptr, K, k_float, eps, stride_xm, stride_ym, stride_qm, stride_sm,
     BLOCK_K: tl.constexpr, LEVELS: tl.constexpr, GROUP: tl.constexpr, UE8M0: tl.constexpr,
 ):
     """One row per program: y = w * (x / sqrt(mean(x²) + eps)).to(dtype); q, s = quant(y)."""
@@ -45,7 +45,7 @@ def rmsnorm_quant_kernel(
     for _ in tl.static_range(LEVELS):  # pairwise tree, adjacent pairs: matches the torch reference
         total = tl.sum(tl.reshape(total, (total.shape[0] // 2, 2)), axis=1)
     total = tl.sum(total, axis=0)  # the last pair: one commutative add
-    var = tl.math.div_rn(total, K.to(tl.float32))
+    var = tl.math.div_rn(total, k_float)  # k_float = fp32(K), exact below 2^24
     h = tl.math.div_rn(x, tl.math.sqrt_rn(var + eps)).to(x_raw.dtype)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
     y = (w.to(tl.float32) * h.to(tl.float32)).to(y_ptr.dtype.element_ty)

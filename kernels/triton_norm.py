@@ -64,7 +64,7 @@ def _rmsnorm_quant_op(
         return y, q, s
     block_k = max(_GROUP, 1 << (k - 1).bit_length())
     jit.rmsnorm_quant_kernel[(m,)](
-        x, weight, y, q.view(torch.uint8), s, k, eps, x.stride(0), y.stride(0), q.stride(0), s.stride(0),
+        x, weight, y, q.view(torch.uint8), s, k, float(k), eps, x.stride(0), y.stride(0), q.stride(0), s.stride(0),
         BLOCK_K=block_k, LEVELS=block_k.bit_length() - 2, GROUP=_GROUP, UE8M0=scale_format == "ue8m0",
         num_warps=min(16, max(4, block_k // 512)),
         enable_fp_fusion=False,  # x*x + y*y must round twice, as in the reference
