@@ -11,8 +11,9 @@ python3 -m pip install --no-deps --no-build-isolation -e . -q >"$OUT/install.log
   export PYTHONPATH=/tmp/pkg${PYTHONPATH:+:$PYTHONPATH}; echo "editable install failed; using /tmp/pkg" | tee -a "$OUT/install.log"; }
 python3 -c "import torch, triton, jetrl_trainer.kernels as k; print(torch.__version__, torch.version.cuda, triton.__version__, torch.cuda.get_device_name(), k.available_gemm_backends('cuda'))" 2>&1 | tee "$OUT/env.log"
 if [ "$WHAT" != bench ]; then
-  python3 -m pytest -q -x -p no:cacheprovider -n 8 ${KEXPR:+-k "$KEXPR"} \
-    tests/test_kernels_gpu.py tests/test_gemm_backends_gpu.py tests/test_cuda_graphs_gpu.py tests/test_quant_linear_gpu.py tests/test_kernels_cpu.py \
+  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -n 8 ${KEXPR:+-k "$KEXPR"} \
+    tests/test_kernels_gpu.py tests/test_gemm_backends_gpu.py tests/test_cuda_graphs_gpu.py tests/test_quant_linear_gpu.py \
+    tests/test_kernels_cpu.py tests/test_gemm_backend.py tests/test_quant_linear.py \
     2>&1 | tee "$OUT/tests.log" | tail -60
 fi
 if [ "$WHAT" != tests ]; then
