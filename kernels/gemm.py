@@ -145,9 +145,8 @@ def fp8_gemm_nt(
     if forced is not None:
         _check_registered(forced)
         if not _available(_backends[forced], device):
-            raise ValueError(
-                f"GEMM backend {forced!r} is not available on {device}; available: {', '.join(available_gemm_backends(device))}."
-            )
+            available = ", ".join(available_gemm_backends(device))
+            raise ValueError(f"GEMM backend {forced!r} is not available on {device}; available: {available}.")
         return _backends[forced].fn(a_q, a_s, b_q, b_s, b_granularity, out_dtype)
     for name in available_gemm_backends(device):
         try:

@@ -186,7 +186,9 @@ def _last_layer_prefixes(model: nn.Module, n: int) -> tuple[str, ...]:
         )
     fqn, layers = max(lists, key=lambda item: len(item[1]))
     if n > len(layers):
-        raise ValueError(f"keep_last_n_layers={n} exceeds the {len(layers)} layers in {fqn!r}; allowed: 0..{len(layers)}.")
+        raise ValueError(
+            f"keep_last_n_layers={n} exceeds the {len(layers)} layers in {fqn!r}; allowed: 0..{len(layers)}."
+        )
     base = _logical_name(fqn)
     return tuple(f"{base}.{i}" for i in range(len(layers) - n, len(layers)))
 

@@ -213,7 +213,8 @@ class QuantLinear(nn.Linear):
         if not isinstance(linear, nn.Linear):
             raise ValueError(f"expected an nn.Linear; got {type(linear).__name__}.")
         if linear.weight.dim() != 2:
-            raise ValueError(f"Linear weight must be 2-D [out_features, in_features]; got shape {tuple(linear.weight.shape)}.")
+            shape = tuple(linear.weight.shape)
+            raise ValueError(f"Linear weight must be 2-D [out_features, in_features]; got shape {shape}.")
         self = cls.__new__(cls)
         nn.Module.__init__(self)
         self.in_features, self.out_features = linear.in_features, linear.out_features

@@ -7,7 +7,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from jetrl_trainer.quant import NVFP4Recipe, QuantLinear, count_quant_gemms, dequantize_model, precision_phase, quantize_model
+from jetrl_trainer.quant import (
+    NVFP4Recipe,
+    QuantLinear,
+    count_quant_gemms,
+    dequantize_model,
+    precision_phase,
+    quantize_model,
+)
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")

@@ -6,7 +6,12 @@ import torch
 import jetrl_trainer.kernels as kernels
 from jetrl_trainer.kernels import gemm
 from jetrl_trainer.kernels.emulated import emulated_fp8_gemm_nt
-from jetrl_trainer.quant.fp8 import dequantize_fp8_blocks, dequantize_fp8_groups, quantize_fp8_blocks, quantize_fp8_groups
+from jetrl_trainer.quant.fp8 import (
+    dequantize_fp8_blocks,
+    dequantize_fp8_groups,
+    quantize_fp8_blocks,
+    quantize_fp8_groups,
+)
 
 
 @pytest.fixture
@@ -114,7 +119,8 @@ def test_forcing_a_backend(registry, monkeypatch):
 
 
 def test_unknown_or_unavailable_backend_lists_the_options(registry, monkeypatch):
-    registry.register_gemm_backend("gpu_only", emulated_fp8_gemm_nt, is_available=lambda d: d.type == "cuda", priority=5)
+    on_cuda = lambda d: d.type == "cuda"  # noqa: E731
+    registry.register_gemm_backend("gpu_only", emulated_fp8_gemm_nt, is_available=on_cuda, priority=5)
     a, b = _operands(2, 2, 128, "block")
     with pytest.raises(ValueError, match="registered: .*gpu_only.*emulated"):
         registry.fp8_gemm_nt(a, b, backend="cutlass")

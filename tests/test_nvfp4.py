@@ -81,7 +81,8 @@ def test_per_token_outer_scale_is_batch_invariant():
     alone = quantize_nvfp4(big, outer="token")
     assert torch.equal(alone.data[0], t.data[2]) and torch.equal(alone.outer_scale[0], t.outer_scale[2])
     # A per-tensor outer scale is not: the same row quantizes differently next to a large row.
-    assert not torch.equal(quantize_nvfp4(big, outer="tensor").dequantize()[0], quantize_nvfp4(x, outer="tensor").dequantize()[2])
+    per_tensor = quantize_nvfp4(x, outer="tensor").dequantize()[2]
+    assert not torch.equal(quantize_nvfp4(big, outer="tensor").dequantize()[0], per_tensor)
 
 
 def test_ragged_k_pads_with_exact_zeros():

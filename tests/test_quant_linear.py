@@ -72,7 +72,8 @@ def test_fp8_backward_is_exactly_the_contracted_data_flow():
     w_q, w_s = quantize_fp8_blocks(q.weight.detach())
     assert torch.equal(y, fp8_gemm_nt((x_q, x_s), (w_q, w_s), out_dtype=torch.float32))
     # dgrad: dY quantized 1x128 along N, times the same FP8 weight transposed with its scale grid.
-    want_dx = fp8_gemm_nt(quantize_fp8_groups(dy), (w_q.t().contiguous(), w_s.t().contiguous()), out_dtype=torch.float32)
+    wt = (w_q.t().contiguous(), w_s.t().contiguous())
+    want_dx = fp8_gemm_nt(quantize_fp8_groups(dy), wt, out_dtype=torch.float32)
     assert torch.equal(dx, want_dx)
     # wgrad: dYᵀ quantized along tokens, times the saved FP8 X re-quantized along tokens.
     xt = quantize_fp8_groups(dequantize_fp8_groups(x_q, x_s).t().contiguous())
@@ -308,7 +309,8 @@ def test_bad_input_raises_value_error():
     weird.weight = nn.Parameter(torch.ones(3, 4, 1))
     with pytest.raises(ValueError, match="2-D"):
         QuantLinear.from_linear(weird, FP8)
-    assert isinstance(QuantLinear.from_linear(nn.Linear(4, 3).double(), {"train": "bf16", "rollout": "bf16"}), QuantLinear)
+    bf16_only = {"train": "bf16", "rollout": "bf16"}
+    assert isinstance(QuantLinear.from_linear(nn.Linear(4, 3).double(), bf16_only), QuantLinear)
 
 
 def test_recipes_by_name_and_phase_recipes():
