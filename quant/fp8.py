@@ -61,7 +61,8 @@ def fp8_scale_from_amax(amax: torch.Tensor, scale_format: str = "fp32") -> torch
 
 
 def _to_fp8(x_over_s: torch.Tensor) -> torch.Tensor:
-    # torch's float -> float8_e4m3fn cast rounds to nearest even but does not saturate.
+    # The cast rounds to nearest even; whether it saturates differs by torch version and device,
+    # so saturate explicitly (clamp keeps NaN as NaN).
     return torch.clamp(x_over_s, -FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
