@@ -4,8 +4,12 @@ Built from ``transformers.Qwen3Config`` with the 8B dimensions (no download): hi
 / 8 KV heads of 128, MLP 12288; batch 4 × 2048 tokens, SDPA attention in BF16 (causal). Variants:
 * ``bf16``: the layer as transformers builds it;
 * ``fp8``: ``quantize_model(layer)`` — the seven linears become FP8 ``QuantLinear``s;
+* ``fp8_proposed``: ``fp8`` with QuantLinear's act quant patched in this process to pass ``dY.t()``
+  to the kernel as a strided view (no ``.contiguous()`` copy) and to take pre-quantized inputs —
+  the change proposed for ``quant/_dispatch.py``;
 * ``fp8_fused``: additionally ``quant.fused.fuse_norm_and_swiglu(layer)`` — RMSNorm+quant and
-  SwiGLU+quant kernels hand their FP8 output straight to the next GEMMs (skipped if unavailable).
+  SwiGLU+quant kernels (values identical to the pure-torch references);
+* ``fp8_fused_proposed``: both, so the fused kernels' FP8 output goes straight to the next GEMMs.
 The FP8 weight is re-quantized every iteration (one optimizer step per iteration).
 Target (issue 6): ≥ 1.3× BF16. Also reports the FP8 weight-cache memory against the BF16 weights.
 """
@@ -17,7 +21,12 @@ import copy
 import torch
 
 from _common import bench_ms, dump, environment
+import contextlib
+
+import jetrl_trainer.quant.linear as quant_linear
+from jetrl_trainer import kernels
 from jetrl_trainer.quant import QuantLinear, invalidate_weight_caches, quantize_model
+from jetrl_trainer.quant.fused import fuse_norm_and_swiglu, take_prequantized
 
 BATCH, SEQ = 4, 2048
 
@@ -47,6 +56,21 @@ def _step(layer, hidden, pos_emb, grad):
     return fn
 
 
+@contextlib.contextmanager
+def proposed_dispatch():
+    """QuantLinear's act quant as proposed: pre-quantized hand-off first, strided views allowed."""
+    def act_quant(x, fmt="fp32"):
+        hit = take_prequantized(x, fmt)
+        return hit if hit is not None else kernels.act_quant_fp8(x, scale_format=fmt)
+
+    original = quant_linear.act_quant_fp8
+    quant_linear.act_quant_fp8 = act_quant
+    try:
+        yield
+    finally:
+        quant_linear.act_quant_fp8 = original
+
+
 def _weight_memory(layer) -> dict:
     bf16 = sum(m.weight.numel() * m.weight.element_size() for m in layer.modules() if isinstance(m, QuantLinear))
     torch.cuda.synchronize()
@@ -71,14 +95,13 @@ def run() -> dict:
 
     fp8 = quantize_model(copy.deepcopy(layer))
     times["fp8"] = bench_ms(_step(fp8, hidden, pos_emb, grad))
+    with proposed_dispatch():
+        times["fp8_proposed"] = bench_ms(_step(fp8, hidden, pos_emb, grad))
     result["memory"] = _weight_memory(fp8)
-    try:
-        from jetrl_trainer.quant.fused import fuse_norm_and_swiglu
-
-        fused = fuse_norm_and_swiglu(quantize_model(copy.deepcopy(layer)))
-        times["fp8_fused"] = bench_ms(_step(fused, hidden, pos_emb, grad))
-    except ImportError as exc:
-        result["fp8_fused_skipped"] = str(exc)
+    fused = fuse_norm_and_swiglu(quantize_model(copy.deepcopy(layer)))
+    times["fp8_fused"] = bench_ms(_step(fused, hidden, pos_emb, grad))
+    with proposed_dispatch():
+        times["fp8_fused_proposed"] = bench_ms(_step(fused, hidden, pos_emb, grad))
     result["ms"] = {k: round(v, 3) for k, v in times.items()}
     result["speedup_vs_bf16"] = {k: round(times["bf16"] / v, 3) for k, v in times.items() if k != "bf16"}
     return result

@@ -14,7 +14,7 @@ import sys
 import time
 import traceback
 
-ALL = ("quant_kernels", "gemm", "quant_linear", "decoder_layer")
+ALL = ("probe_scaled_mm", "tune_quant_kernels", "quant_kernels", "gemm", "quant_linear", "decoder_layer")
 
 
 def _plot_decode(gemm: dict, path: str) -> None:
@@ -45,6 +45,11 @@ def _plot_decode(gemm: dict, path: str) -> None:
 
 def _headline(results: dict) -> None:
     """The few numbers the issue's targets are about (full detail is in results.json)."""
+    for k, v in results.get("probe_scaled_mm", {}).get("raw_scaled_mm", {}).items():
+        print("probe", k, v)
+    for k, v in results.get("tune_quant_kernels", {}).items():
+        if isinstance(v, dict) and "best" in v:
+            print("tune", k, v["best"], v["fraction_of_copy"])
     r = results.get("quant_kernels", {})
     for k in r.get("kernels", []):
         print(f"quant {k['kernel']:<45} {k['GB/s']:>8} GB/s  {k['fraction_of_copy']:.2f} of copy  x{k['speedup_vs_eager']} vs eager")
@@ -74,7 +79,8 @@ def main() -> None:
     for name in names:
         t0 = time.time()
         try:
-            results[name] = importlib.import_module(f"bench_{name}").run()
+            module = name if name.startswith(("probe_", "tune_")) else f"bench_{name}"
+            results[name] = importlib.import_module(module).run()
             status = "ok"
         except Exception as exc:  # keep the other benchmarks' numbers
             results[name] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}

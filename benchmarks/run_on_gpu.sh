@@ -13,7 +13,7 @@ python3 -c "import torch, triton, jetrl_trainer.kernels as k; print(torch.__vers
 if [ "$WHAT" != bench ]; then
   timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -n 8 ${KEXPR:+-k "$KEXPR"} \
     tests/test_kernels_gpu.py tests/test_gemm_backends_gpu.py tests/test_cuda_graphs_gpu.py tests/test_quant_linear_gpu.py \
-    tests/test_kernels_cpu.py tests/test_gemm_backend.py tests/test_quant_linear.py \
+    tests/test_kernels_cpu.py tests/test_gemm_backend.py tests/test_quant_linear.py tests/test_fused.py \
     2>&1 | tee "$OUT/tests.log" | tail -60
 fi
 if [ "$WHAT" != tests ]; then

@@ -17,6 +17,10 @@ Departures from a bare ``_scaled_mm`` call, none of which changes a value:
   the padded groups add exact zeros. A ragged last K group is padded the same way.
 * ``N`` is padded to a multiple of 16 (cuBLASLt's alignment for the FP8 operand and the output);
   the padded output columns are dropped.
+* ``M`` is padded to a multiple of 16 (rows of zeros, scales of one): on the H200 with torch 2.11 /
+  CUDA 13.0, cuBLASLt's heuristic returned CUBLAS_STATUS_NOT_SUPPORTED for M = 7, 231, 257 (and for
+  M = 1 with 128×128 B scales), presumably because the column-major ``scale_a`` then has a leading
+  dimension that is not 16-byte aligned. The padded output rows are dropped (a view, no copy).
 * Output dtypes other than BF16 are computed in FP32 by cuBLASLt (``out_dtype=float32``) and cast.
 """
 
@@ -32,6 +36,7 @@ from jetrl_trainer.kernels.gemm import register_gemm_backend
 __all__ = ["scaled_mm_available", "scaled_mm_fp8_gemm_nt"]
 
 _GROUP = 128
+M_ALIGN = 16  # rows of A (and of scale_a's leading dimension) are padded to this multiple
 
 
 def _round_up(x: int, m: int) -> int:
@@ -84,15 +89,16 @@ def prepare_scaled_mm_operands(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pad and lay out the operands as ``_scaled_mm`` wants them: ``(a, b [K', N'] view, scale_a, scale_b)``.
 
-    Pure torch (testable on CPU). ``K' = 128 * round_up(ceil(K/128), 4)``, ``N' = round_up(N, 16)``.
+    Pure torch (testable on CPU). ``K' = 128 * round_up(ceil(K/128), 4)``, ``N' = round_up(N, 16)``,
+    ``M' = round_up(M, M_ALIGN)``.
     """
     m, k = a_q.shape
     n = b_q.shape[0]
     groups = _round_up(-(-k // _GROUP), 4)
-    k_pad, n_pad = groups * _GROUP, _round_up(n, 16)
-    a_q = _pad_fp8(a_q.contiguous(), m, k_pad)
+    k_pad, n_pad, m_pad = groups * _GROUP, _round_up(n, 16), _round_up(m, M_ALIGN)
+    a_q = _pad_fp8(a_q.contiguous(), m_pad, k_pad)
     b_q = _pad_fp8(b_q.contiguous(), n_pad, k_pad)
-    scale_a = _column_major(_pad_scale(a_s, m, groups))  # (M, G') strides (1, M)
+    scale_a = _column_major(_pad_scale(a_s, m_pad, groups))  # (M', G') strides (1, M')
     if b_granularity == "block":
         scale_b = _pad_scale(b_s, b_s.shape[0], groups).contiguous().t()  # view of (Nb, G') row-major
     else:
@@ -122,6 +128,8 @@ def scaled_mm_fp8_gemm_nt(
     a, b, scale_a, scale_b = prepare_scaled_mm_operands(a_q, a_s, b_q, b_s, b_granularity)
     mm_dtype = out_dtype if out_dtype == torch.bfloat16 else torch.float32
     out = torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=mm_dtype)
+    if out.shape[0] != a_q.shape[0]:
+        out = out[: a_q.shape[0]]
     if out.shape[1] != n:
         out = out[:, :n]
     if out.dtype != out_dtype or not out.is_contiguous():

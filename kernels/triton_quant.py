@@ -29,6 +29,7 @@ from ._triton_support import cdiv, check_cuda_2d, check_group, load_jit, triton_
 
 __all__ = [
     "act_quant_fp8",
+    "act_quant_fp8_both",
     "requant_transpose_fp8",
     "transpose_fp8_blocks",
     "triton_available",
@@ -37,6 +38,17 @@ __all__ = [
 
 _FP8 = torch.float8_e4m3fn
 _SCALE_FORMATS = ("fp32", "ue8m0")
+
+# Launch parameters, measured on an H200 (benchmarks/tune_quant_kernels.py sweeps them).
+# act: rows per program, 128-groups per program, warps; "_t" is for transposed (stride(0) == 1) input.
+LAUNCH = {
+    "act": (16, 2, 4),
+    "act_t": (64, 1, 4),
+    "weight": (8,),
+    "requant_t": (64, 4),  # BLOCK_K, warps
+    "transpose": (64, 64, 4),  # BLOCK_R, BLOCK_C, warps
+    "both": (8,),
+}
 
 
 def _check_scale_format(scale_format: str) -> None:
@@ -59,14 +71,14 @@ def _act_quant_op(x: torch.Tensor, group: int, scale_format: str) -> tuple[torch
     s = torch.empty((m, cdiv(k, group)), dtype=torch.float32, device=x.device)
     if m == 0 or k == 0:
         return q, s
-    # ~32 KB of input per program: enough bytes in flight, small enough for registers.
-    groups_per_prog = 2 if group <= 128 and cdiv(k, group) >= 2 else 1
-    block_m = max(1, min(16, 8192 // (group * groups_per_prog)))
+    block_m, groups_per_prog, warps = LAUNCH["act_t" if x.stride(0) == 1 and m > 1 else "act"]
+    groups_per_prog = min(groups_per_prog, 1 << (cdiv(k, group) - 1).bit_length())
+    block_m = max(1, block_m * 128 // group)  # the same tile size for other group sizes
     grid = (cdiv(m, block_m), cdiv(cdiv(k, group), groups_per_prog))
     jit.act_quant_kernel[grid](
         x, q.view(torch.uint8), s, m, k, x.stride(0), x.stride(1), q.stride(0), s.stride(0),
         GROUP=group, BLOCK_M=block_m, GROUPS_PER_PROG=groups_per_prog, UE8M0=scale_format == "ue8m0",
-        num_warps=4,
+        num_warps=warps,
     )
     return q, s
 
@@ -105,7 +117,7 @@ def _weight_quant_op(w: torch.Tensor, block: int, scale_format: str) -> tuple[to
         return q, s
     jit.weight_quant_kernel[(s.shape[0], s.shape[1])](
         w, q.view(torch.uint8), s, n, k, w.stride(0), q.stride(0), s.stride(0),
-        BLOCK=block, UE8M0=scale_format == "ue8m0", num_warps=8,
+        BLOCK=block, UE8M0=scale_format == "ue8m0", num_warps=LAUNCH["weight"][0],
     )
     return q, s
 
@@ -143,10 +155,11 @@ def _requant_transpose_op(
     st = torch.empty((k, cdiv(m, group)), dtype=torch.float32, device=q.device)
     if m == 0 or k == 0:
         return qt, st
-    block_k = min(group, 64)  # (group x 64) tile: 8 KB of FP8 in, the transpose goes through SMEM
+    block_k, warps = LAUNCH["requant_t"]
+    block_k = min(group, block_k)  # (group x block_k) tile; the transpose goes through shared memory
     jit.requant_transpose_kernel[(cdiv(m, group), cdiv(k, block_k))](
         q.view(torch.uint8), s, qt.view(torch.uint8), st, m, k, q.stride(0), s.stride(0), qt.stride(0), st.stride(0),
-        GROUP=group, BLOCK_K=block_k, UE8M0=scale_format == "ue8m0", num_warps=4,
+        GROUP=group, BLOCK_K=block_k, UE8M0=scale_format == "ue8m0", num_warps=warps,
     )
     return qt, st
 
@@ -185,11 +198,13 @@ def _transpose_blocks_op(q: torch.Tensor, s_inv: torch.Tensor) -> tuple[torch.Te
     n, k = q.shape
     qt = torch.empty((k, n), dtype=_FP8, device=q.device)
     if n and k:
-        jit.transpose_u8_kernel[(cdiv(n, 64), cdiv(k, 64))](
+        block_r, block_c, warps = LAUNCH["transpose"]
+        jit.transpose_u8_kernel[(cdiv(n, block_r), cdiv(k, block_c))](
             q.view(torch.uint8), qt.view(torch.uint8), n, k, q.stride(0), qt.stride(0),
-            BLOCK_R=64, BLOCK_C=64, num_warps=4,
+            BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps,
         )
-    return qt, s_inv.t().contiguous()
+    # A fresh tensor even when the transpose is a no-op view (custom ops may not alias inputs).
+    return qt, s_inv.t().clone(memory_format=torch.contiguous_format)
 
 
 @_transpose_blocks_op.register_fake
@@ -207,3 +222,49 @@ def transpose_fp8_blocks(q: torch.Tensor, s_inv: torch.Tensor) -> tuple[torch.Te
     check_cuda_2d(q, "q", (_FP8,))
     check_cuda_2d(s_inv, "s_inv", (torch.float32,))
     return torch.ops.jetrl.transpose_fp8_blocks(_unit_stride(q), s_inv)
+
+
+# --------------------------------------------------------------------------------------------
+# act_quant_fp8_both: dY for DGrad (along N) and dY^T for WGrad (along tokens) from one read
+# --------------------------------------------------------------------------------------------
+@torch.library.custom_op("jetrl::act_quant_fp8_both", mutates_args=(), device_types="cuda")
+def _act_quant_both_op(
+    x: torch.Tensor, group: int, scale_format: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    jit = load_jit("_triton_quant_jit")
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=_FP8, device=x.device)
+    s = torch.empty((m, cdiv(k, group)), dtype=torch.float32, device=x.device)
+    qt = torch.empty((k, m), dtype=_FP8, device=x.device)
+    st = torch.empty((k, cdiv(m, group)), dtype=torch.float32, device=x.device)
+    if m and k:
+        jit.act_quant_both_kernel[(cdiv(m, group), cdiv(k, group))](
+            x, q.view(torch.uint8), s, qt.view(torch.uint8), st, m, k,
+            x.stride(0), q.stride(0), s.stride(0), qt.stride(0), st.stride(0),
+            GROUP=group, UE8M0=scale_format == "ue8m0", num_warps=LAUNCH["both"][0],
+        )
+    return q, s, qt, st
+
+
+@_act_quant_both_op.register_fake
+def _(x, group, scale_format):
+    m, k = x.shape
+    return (x.new_empty((m, k), dtype=_FP8), x.new_empty((m, cdiv(k, group)), dtype=torch.float32),
+            x.new_empty((k, m), dtype=_FP8), x.new_empty((k, cdiv(m, group)), dtype=torch.float32))
+
+
+def act_quant_fp8_both(
+    x: torch.Tensor, *, group: int = 128, scale_format: str = "fp32"
+) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """Both FP8 views of ``x [M, K]`` the backward needs, from a single read of ``x``.
+
+    Returns ``((q, s), (qt, st))`` with ``(q, s) == quantize_fp8_groups(x)`` (1×group along K:
+    the DGrad operand dY) and ``(qt, st) == quantize_fp8_groups(x.t().contiguous())`` (1×group along
+    M, stored ``[K, M]``: the WGrad operand dYᵀ), bit for bit. Saves one full read of ``x`` and the
+    transposed copy against two ``act_quant_fp8`` calls. ``x`` needs unit stride along K.
+    """
+    check_cuda_2d(x, "x")
+    check_group(group)
+    _check_scale_format(scale_format)
+    q, s, qt, st = torch.ops.jetrl.act_quant_fp8_both(_unit_stride(x), group, scale_format)
+    return (q, s), (qt, st)

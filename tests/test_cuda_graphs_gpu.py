@@ -64,7 +64,7 @@ def test_quant_and_gemm_capture_and_replay(backend):
 
 
 @pytest.mark.parametrize("backend", _gpu_backends())
-def test_quant_linear_forward_backward_capture(backend):
+def test_quant_linear_forward_backward_capture(backend, monkeypatch):
     from jetrl_trainer.quant import QuantLinear
 
     torch.manual_seed(0)
@@ -73,11 +73,12 @@ def test_quant_linear_forward_backward_capture(backend):
     dy = torch.randn(4, 100, 768, device="cuda", dtype=torch.bfloat16)
     out = {}
 
+    monkeypatch.setenv("JETRL_GEMM_BACKEND", backend)  # process-wide: backward runs on autograd's thread
+
     def step():
         layer.weight.grad = layer.bias.grad = x.grad = None
-        with use_gemm_backend(backend):
-            y = layer(x)
-            y.backward(dy)
+        y = layer(x)
+        y.backward(dy)
         out["y"] = y
 
     graph = _capture(step)

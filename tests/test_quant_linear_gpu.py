@@ -6,6 +6,9 @@ Two kinds of check:
   (``JETRL_DISABLE_TRITON=1`` switches ``quant/_dispatch.py`` to the reference);
 * close: CUDA vs CPU. Not bit-exact by construction: the GEMM sums in another order, and ATen's
   CPU reference divides ``amax / 448`` where CUDA multiplies by the reciprocal (last scale bit).
+
+The backend is forced with ``JETRL_GEMM_BACKEND``: ``use_gemm_backend`` is thread-local and the
+autograd engine runs CUDA backward passes on its own thread, where it does not apply.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from jetrl_trainer.kernels import available_gemm_backends, triton_available, use_gemm_backend
+from jetrl_trainer.kernels import available_gemm_backends, triton_available
 
 pytestmark = pytest.mark.gpu
 
@@ -55,24 +58,24 @@ def test_triton_kernels_equal_reference_quantizers_end_to_end(backend, scale_for
     layer.set_recipes(train=FP8Recipe(scale_format=scale_format))
     x = torch.randn(3, 77, 1000, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn(3, 77, 700, device="cuda", dtype=torch.bfloat16)
-    with use_gemm_backend(backend):
-        fast = _run(layer, x, dy)
-        monkeypatch.setenv("JETRL_DISABLE_TRITON", "1")
-        layer.set_recipes(train=FP8Recipe(scale_format=scale_format))  # drop the cached FP8 weight
-        slow = _run(layer, x, dy)
+    monkeypatch.setenv("JETRL_GEMM_BACKEND", backend)
+    fast = _run(layer, x, dy)
+    monkeypatch.setenv("JETRL_DISABLE_TRITON", "1")
+    layer.set_recipes(train=FP8Recipe(scale_format=scale_format))  # drop the cached FP8 weight
+    slow = _run(layer, x, dy)
     for f, s, what in zip(fast, slow, ("y", "dx", "dw", "db")):
         assert torch.equal(f, s), what
 
 
 @pytest.mark.parametrize("backend", _gpu_backends())
-def test_gpu_matches_cpu_reference(backend):
+def test_gpu_matches_cpu_reference(backend, monkeypatch):
     cpu, gpu = _layer("cpu"), _layer("cuda")
     gpu.load_state_dict(cpu.state_dict())
     x = torch.randn(2, 150, 1000, dtype=torch.bfloat16)
     dy = torch.randn(2, 150, 700, dtype=torch.bfloat16)
     want = _run(cpu, x, dy)
-    with use_gemm_backend(backend):
-        got = _run(gpu, x.cuda(), dy.cuda())
+    monkeypatch.setenv("JETRL_GEMM_BACKEND", backend)
+    got = _run(gpu, x.cuda(), dy.cuda())
     for g, w, what in zip(got, want, ("y", "dx", "dw", "db")):
         assert g.dtype == w.dtype and g.shape == w.shape, what
         assert _rel(g.cpu(), w) < 1e-2, (what, _rel(g.cpu(), w))

@@ -1,0 +1,243 @@
+"""Fused RMSNorm+FP8-quant and SwiGLU+FP8-quant for Qwen3 / Llama / LLaDA decoder layers.
+
+``fuse_norm_and_swiglu(model)`` (call it after ``quantize_model``) swaps, in place:
+
+* each decoder RMSNorm whose outputs feed ``QuantLinear``s (Qwen3/Llama ``input_layernorm`` →
+  q/k/v, ``post_attention_layernorm`` → gate/up; LLaDA ``attn_norm``, ``ff_norm``) for a
+  :class:`FusedRMSNorm` sharing its weight Parameter;
+* each Qwen3/Llama-style MLP (``gate_proj``/``up_proj``/``down_proj`` with a SiLU ``act_fn``) for a
+  :class:`FusedSwiGLUMLP` holding the same three sub-modules (``state_dict`` keys unchanged).
+
+On CUDA the fused kernels (``kernels/triton_norm.py``, ``kernels/triton_swiglu.py``) write the
+activation *and* its 1×128 FP8 quantization in one pass; the pair is offered to the next
+``QuantLinear`` through :func:`take_prequantized` (keyed by the output tensor's storage and
+version, held only while that tensor lives). The hand-off is bit-exact by construction — the
+kernels' ``(q, s)`` equal ``quantize_fp8_groups`` of their output — so it changes speed, not values.
+
+Departures from the modules they replace:
+* RMSNorm is ``kernels.triton_norm.rmsnorm_reference`` (pairwise-tree mean of squares and
+  ``x / sqrt(var + eps)`` instead of ``x * rsqrt(...)``): ≤ 1 BF16 ulp from transformers' module,
+  identical on CPU and GPU, identical in rollout and training (both phases use this module);
+* SwiGLU is exactly ``F.silu(gate) * up`` (no departure);
+* backward passes are computed in FP32 from the saved inputs (not through the BF16 casts).
+Falls back cleanly: layers of other shapes (LayerNorm, GELU MLPs, norms with a bias, LLaDA's
+inline SwiGLU) are left untouched, and off CUDA / without Triton the pure-torch references run.
+
+To take effect the consumer must look the pair up: ``quant/_dispatch.act_quant_fp8`` should
+start with ``hit = take_prequantized(x2d, scale_format); if hit is not None: return hit``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from typing import Optional
+
+import torch
+from torch import nn
+
+from jetrl_trainer.kernels import rmsnorm_quant_fp8, rmsnorm_reference, swiglu_quant_fp8, swiglu_reference, triton_available
+from jetrl_trainer.quant.linear import QuantLinear
+from jetrl_trainer.quant.phase import current_phase
+from jetrl_trainer.quant.recipe import FP8Recipe
+
+__all__ = ["FusedRMSNorm", "FusedSwiGLUMLP", "fuse_norm_and_swiglu", "offer_prequantized", "take_prequantized"]
+
+Pair = tuple[torch.Tensor, torch.Tensor]
+_local = threading.local()
+
+
+# ---------------------------------------------------------------------------------------------
+# The hand-off: an activation's FP8 quantization, valid while the activation lives unchanged
+# ---------------------------------------------------------------------------------------------
+
+
+def _table() -> dict:
+    if not hasattr(_local, "table"):
+        _local.table = {}
+    return _local.table
+
+
+def offer_prequantized(y: torch.Tensor, q: torch.Tensor, s: torch.Tensor, scale_format: str) -> None:
+    """Record that ``(q, s)`` is the 1×128 FP8 quantization of ``y`` (as ``[-1, K]`` rows)."""
+    table, key = _table(), y.data_ptr()
+    # The entry dies with y: its storage can be reused only after y is gone.
+    ref = weakref.ref(y, lambda _r, key=key, table=table: table.pop(key, None))
+    table[key] = (ref, y._version, y.shape[-1], y.numel(), scale_format, (q, s))
+
+
+def take_prequantized(x2d: torch.Tensor, scale_format: str) -> Optional[Pair]:
+    """The pair offered for the activation ``x2d`` views, or None (then quantize as usual)."""
+    entry = _table().get(x2d.data_ptr()) if x2d.dim() == 2 and x2d.is_contiguous() else None
+    if entry is None:
+        return None
+    ref, version, k, numel, fmt, pair = entry
+    y = ref()
+    if y is None or y._version != version or fmt != scale_format or x2d.shape[1] != k or x2d.numel() != numel:
+        return None
+    return pair
+
+
+def _use_kernels(x: torch.Tensor) -> bool:
+    return x.is_cuda and triton_available() and os.environ.get("JETRL_DISABLE_TRITON") != "1"
+
+
+def _fp8_format(consumer: Optional[nn.Module]) -> Optional[str]:
+    """The scale format the consuming QuantLinear uses in the active phase (None: not FP8)."""
+    if isinstance(consumer, QuantLinear):
+        recipe = consumer.recipes[current_phase()]
+        if isinstance(recipe, FP8Recipe):
+            return recipe.scale_format
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# RMSNorm
+# ---------------------------------------------------------------------------------------------
+
+
+class _RMSNormQuantFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2d, weight, eps, scale_format):
+        y, q, s = rmsnorm_quant_fp8(x2d, weight, eps, scale_format=scale_format)
+        ctx.save_for_backward(x2d, weight)
+        ctx.eps = eps
+        ctx.mark_non_differentiable(q, s)
+        return y, q, s
+
+    @staticmethod
+    def backward(ctx, dy, _dq, _ds):
+        x, w = ctx.saved_tensors
+        # y = w * h, h = x * r, r = (mean(x²) + eps)^-1/2  →  dx = r * (dh - h * mean(dh * h))
+        xf, dyf = x.float(), dy.float()
+        r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + ctx.eps)
+        h = xf * r
+        dh = dyf * w.float()
+        dx = r * (dh - h * (dh * h).mean(-1, keepdim=True))
+        dw = (dyf * h.to(x.dtype).float()).sum(0)
+        return dx.to(x.dtype), dw.to(w.dtype), None, None
+
+
+class FusedRMSNorm(nn.Module):
+    """RMSNorm (see module docstring) that also hands its FP8 quantization to ``consumer``."""
+
+    def __init__(self, weight: nn.Parameter, eps: float, consumer: Optional[nn.Module] = None) -> None:
+        super().__init__()
+        self.weight = weight
+        self.variance_epsilon = eps
+        # Not a sub-module (it belongs to the attention/MLP); a weak link avoids a reference cycle.
+        self._consumer = weakref.ref(consumer) if consumer is not None else (lambda: None)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, fused_fp8_quant=True"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not _use_kernels(x):
+            return rmsnorm_reference(x, self.weight, self.variance_epsilon)
+        fmt = _fp8_format(self._consumer())
+        x2d = x.reshape(-1, x.shape[-1])
+        y, q, s = _RMSNormQuantFunction.apply(x2d, self.weight, self.variance_epsilon, fmt or "fp32")
+        y = y.view(*x.shape[:-1], y.shape[-1])
+        if fmt is not None:
+            offer_prequantized(y, q, s, fmt)
+        return y
+
+
+# ---------------------------------------------------------------------------------------------
+# SwiGLU MLP
+# ---------------------------------------------------------------------------------------------
+
+
+class _SwiGLUQuantFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up, scale_format):
+        h, q, s = swiglu_quant_fp8(gate, up, scale_format=scale_format)
+        ctx.save_for_backward(gate, up)
+        ctx.mark_non_differentiable(q, s)
+        return h, q, s
+
+    @staticmethod
+    def backward(ctx, dh, _dq, _ds):
+        gate, up = ctx.saved_tensors
+        g, u, dhf = gate.float(), up.float(), dh.float()
+        sig = torch.sigmoid(g)
+        silu = g * sig
+        dgate = dhf * u * sig * (1 + g * (1 - sig))
+        return dgate.to(gate.dtype), (dhf * silu).to(up.dtype), None
+
+
+class FusedSwiGLUMLP(nn.Module):
+    """``down_proj(silu(gate_proj(x)) * up_proj(x))`` with the SwiGLU and its FP8 quant fused."""
+
+    def __init__(self, gate_proj: nn.Module, up_proj: nn.Module, down_proj: nn.Module) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if not _use_kernels(gate) or gate.dtype != up.dtype:
+            return self.down_proj(swiglu_reference(gate, up))
+        fmt = _fp8_format(self.down_proj)
+        g2d, u2d = gate.reshape(-1, gate.shape[-1]), up.reshape(-1, up.shape[-1])
+        h, q, s = _SwiGLUQuantFunction.apply(g2d, u2d, fmt or "fp32")
+        h = h.view(*gate.shape)
+        if fmt is not None:
+            offer_prequantized(h, q, s, fmt)
+        return self.down_proj(h)
+
+
+# ---------------------------------------------------------------------------------------------
+# The swap
+# ---------------------------------------------------------------------------------------------
+
+# (norm attribute, attribute path of its first consumer) per supported layer layout.
+_NORMS = (
+    ("input_layernorm", "self_attn.q_proj"),  # Qwen3, Llama, Mistral
+    ("post_attention_layernorm", "mlp.gate_proj"),
+    ("attn_norm", "q_proj"),  # LLaDA
+    ("ff_norm", "ff_proj"),
+)
+
+
+def _get(module: nn.Module, path: str) -> Optional[nn.Module]:
+    for name in path.split("."):
+        module = getattr(module, name, None)
+        if module is None:
+            return None
+    return module
+
+
+def _is_plain_rmsnorm(norm: nn.Module) -> Optional[float]:
+    """eps if ``norm`` is a weight-only RMSNorm of the Qwen3/Llama/LLaDA kind, else None."""
+    if not type(norm).__name__.endswith("RMSNorm") or getattr(norm, "bias", None) is not None:
+        return None
+    weight = getattr(norm, "weight", None)
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    if not isinstance(weight, nn.Parameter) or weight.dim() != 1 or eps is None:
+        return None
+    return float(eps)
+
+
+def _is_swiglu_mlp(mlp: nn.Module) -> bool:
+    parts = all(isinstance(getattr(mlp, n, None), nn.Linear) for n in ("gate_proj", "up_proj", "down_proj"))
+    act = getattr(mlp, "act_fn", None)
+    return parts and (isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation")
+
+
+def fuse_norm_and_swiglu(model: nn.Module) -> nn.Module:
+    """Swap supported RMSNorms and SwiGLU MLPs for their fused versions, in place; returns ``model``.
+
+    Idempotent. Call after ``quantize_model`` (the fused modules look at the consuming
+    ``QuantLinear``'s recipe in the active phase to decide whether to quantize and in which format).
+    """
+    for parent in list(model.modules()):
+        for norm_name, consumer_path in _NORMS:
+            norm = getattr(parent, norm_name, None)
+            eps = _is_plain_rmsnorm(norm) if norm is not None and not isinstance(norm, FusedRMSNorm) else None
+            if eps is not None:
+                setattr(parent, norm_name, FusedRMSNorm(norm.weight, eps, _get(parent, consumer_path)))
+        mlp = getattr(parent, "mlp", None)
+        if mlp is not None and not isinstance(mlp, FusedSwiGLUMLP) and _is_swiglu_mlp(mlp):
+            parent.mlp = FusedSwiGLUMLP(mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    return model
