@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from _common import bench_ms, dump, environment
+from _common import bench_graph_ms, bench_ms, dump, environment
 from bench_gemm import M_TRAIN, QWEN3_8B
 import contextlib
 
@@ -61,21 +61,54 @@ def run() -> dict:
         requant = bench_ms(_step(qlin, x, dy, requantize=True))
         with strided_act_quant():
             strided = bench_ms(_step(qlin, x, dy, requantize=True))
+            graphed_fp8 = bench_graph_ms(_step(qlin, x, dy, requantize=True), calls=3, replays=10)
+        graphed_bf16 = bench_graph_ms(_step(lin, x, dy), calls=3, replays=10)
         totals["fp8_strided"] += strided
+        totals["graphed_bf16"] = totals.get("graphed_bf16", 0.0) + graphed_bf16
+        totals["graphed_fp8"] = totals.get("graphed_fp8", 0.0) + graphed_fp8
         totals["bf16"] += bf16
         totals["fp8_cached"] += cached
         totals["fp8_requant"] += requant
         rows.append({"layer": name, "N": n, "K": k, "bf16_ms": round(bf16, 3), "fp8_weight_cached_ms": round(cached, 3),
                      "fp8_weight_requantized_ms": round(requant, 3), "speedup_cached": round(bf16 / cached, 3),
                      "speedup_requantized": round(bf16 / requant, 3), "fp8_strided_dyT_ms": round(strided, 3),
-                     "speedup_strided_dyT": round(bf16 / strided, 3)})
+                     "speedup_strided_dyT": round(bf16 / strided, 3),
+                     "cuda_graph_bf16_ms": round(graphed_bf16, 3), "cuda_graph_fp8_strided_ms": round(graphed_fp8, 3),
+                     "speedup_cuda_graph": round(graphed_bf16 / graphed_fp8, 3)})
     summary = {"speedup_cached": round(totals["bf16"] / totals["fp8_cached"], 3),
                "speedup_requantized": round(totals["bf16"] / totals["fp8_requant"], 3),
                "speedup_strided_dyT": round(totals["bf16"] / totals["fp8_strided"], 3),
+               "speedup_cuda_graph": round(totals["graphed_bf16"] / totals["graphed_fp8"], 3),
                **{f"{k}_total_ms": round(v, 3) for k, v in totals.items()}}
     return {"environment": environment(), "M": M_TRAIN, "rows": rows, "all_seven_layers": summary,
             "target_speedup": 1.4,
-            "kernel_breakdown_us": {name: _breakdown(*QWEN3_8B[name]) for name in ("gate_proj", "k_proj")}}
+            "kernel_breakdown_us": {name: _breakdown(*QWEN3_8B[name]) for name in ("gate_proj", "k_proj")},
+            "cpu_profile_k_proj": _cpu_profile(*QWEN3_8B["k_proj"])}
+
+
+def _cpu_profile(n: int, k: int, iters: int = 20) -> list[str]:
+    """Host-side cost of an eager FP8 fwd+bwd (the GPU work of k_proj is far smaller)."""
+    import cProfile
+    import io
+    import pstats
+
+    lin = nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+    qlin = QuantLinear.from_linear(lin, {"train": "fp8", "rollout": "fp8"})
+    x = torch.randn(M_TRAIN, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(M_TRAIN, n, device="cuda", dtype=torch.bfloat16)
+    step = _step(qlin, x, dy, requantize=True)
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(iters):
+        step()
+    torch.cuda.synchronize()
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(18)
+    return [line[:150] for line in buf.getvalue().splitlines() if line.strip()][:30]
 
 
 def _breakdown(n: int, k: int, iters: int = 5) -> dict:

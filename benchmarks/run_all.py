@@ -60,7 +60,13 @@ def _headline(results: dict) -> None:
         print("gemm", {k: v for k, v in row.items() if "speedup" in k or k == "gemm"})
     for row in g.get("decode", {}).get("rows", []):
         print("decode", {k: v for k, v in row.items() if k in ("M", "gemm") or "speedup" in k})
+    if "triton_gemm_large" in results.get("tune_quant_kernels", {}):
+        print("tune triton gemm", results["tune_quant_kernels"]["triton_gemm_large"])
     q = results.get("quant_linear", {})
+    for line in q.get("cpu_profile_k_proj", []):
+        print("cpu", line)
+    for row in q.get("rows", []):
+        print("QuantLinear", {k: v for k, v in row.items() if "speedup" in k or k == "layer"})
     if "all_seven_layers" in q:
         print("QuantLinear fwd+bwd", q["all_seven_layers"])
     d = results.get("decoder_layer", {})

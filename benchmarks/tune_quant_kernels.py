@@ -10,17 +10,17 @@ import torch
 
 from _common import bench_ms, copy_bandwidth_gbs, dump, environment
 from jetrl_trainer.kernels import act_quant_fp8, act_quant_fp8_both, requant_transpose_fp8, transpose_fp8_blocks, weight_quant_fp8
-from jetrl_trainer.kernels import triton_quant
+from jetrl_trainer.kernels import fp8_gemm_nt, triton_gemm, triton_quant
 
 M, K = 16384, 4096
 
 SWEEP = {
-    "act": [(8, 2, 4), (16, 2, 4), (16, 4, 8), (32, 2, 8), (32, 4, 8), (8, 4, 4), (4, 8, 4), (64, 1, 8), (16, 1, 4)],
-    "act_t": [(32, 1, 4), (64, 1, 4), (64, 1, 8), (128, 1, 8), (64, 2, 8), (128, 2, 8), (256, 1, 8)],
-    "weight": [(4,), (8,), (16,)],
-    "requant_t": [(32, 4), (64, 4), (64, 8), (128, 8), (128, 4), (32, 2)],
-    "transpose": [(64, 64, 4), (128, 128, 8), (32, 128, 4), (128, 32, 4), (64, 128, 4), (128, 64, 4), (64, 256, 8)],
-    "both": [(4,), (8,), (16,)],
+    "act": [(16, 2, 4), (8, 4, 4), (4, 8, 4), (16, 4, 8), (32, 2, 8), (8, 2, 4)],
+    "act_t": [(64, 1, 4), (32, 1, 4), (64, 1, 8), (32, 2, 4), (32, 1, 2)],
+    "weight": [(8,), (16,), (32,)],
+    "requant_t": [(32, 4, False), (32, 4, True), (64, 4, True), (128, 8, True), (32, 2, True), (16, 2, False)],
+    "transpose": [(64, 256, 8), (128, 256, 8), (64, 512, 8), (32, 256, 4), (128, 128, 4)],
+    "both": [(4, False), (4, True), (8, True), (16, True)],
 }
 
 
@@ -55,7 +55,37 @@ def run() -> dict:
         triton_quant.LAUNCH[name] = original
         numeric = {k: v for k, v in timings.items() if isinstance(v, float)}
         result[name] = {"fraction_of_copy": timings, "best": max(numeric, key=numeric.get) if numeric else None}
+    result["triton_gemm_large"] = _tune_gemm()
     return result
+
+
+GEMM_SWEEP = [
+    dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=4),
+    dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=8, num_warps=8, num_stages=3),
+    dict(BLOCK_M=256, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3),
+    dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=5),
+    dict(BLOCK_M=64, BLOCK_N=256, GROUP_M=8, num_warps=4, num_stages=4),
+    dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=16, num_warps=8, num_stages=4),
+]
+
+
+def _tune_gemm() -> dict:
+    """TFLOPS of the Triton GEMM at 8192 x 4096 x 4096 for a few tilings."""
+    a = act_quant_fp8(torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16))
+    b = weight_quant_fp8(torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16))
+    original, out = dict(triton_gemm.LARGE), {}
+    for cfg in GEMM_SWEEP:
+        triton_gemm.LARGE.clear()
+        triton_gemm.LARGE.update(cfg)
+        try:
+            ms = bench_ms(lambda: fp8_gemm_nt(a, b, backend="triton"), rep_ms=100)
+            out[str(tuple(cfg.values()))] = round(2 * 8192 * 4096 * 4096 / (ms * 1e-3) / 1e12, 1)
+        except Exception as exc:
+            out[str(tuple(cfg.values()))] = type(exc).__name__
+    triton_gemm.LARGE.clear()
+    triton_gemm.LARGE.update(original)
+    numeric = {k: v for k, v in out.items() if isinstance(v, float)}
+    return {"TFLOPS": out, "best": max(numeric, key=numeric.get) if numeric else None}
 
 
 if __name__ == "__main__":

@@ -6,9 +6,9 @@ Each kernel reproduces ``jetrl_trainer.quant.fp8`` *as torch computes it on CUDA
   is executed by ATen as a multiply by the FP32 reciprocal (``div_true_kernel_cuda``), so that is
   what we do too — a true division here would differ in the last bit;
 * ``q = fp8(clamp(x / scale, ±448))`` with an IEEE division (``div_rn``; Triton's ``/`` is the
-  approximate ``div.full.f32``) and round-to-nearest-even;
-* NaN is propagated through the amax (``tl.max`` alone would drop it) and written as torch writes
-  it, ``0x7f | sign`` (the hardware cast may not keep the sign of a NaN);
+  approximate ``div.full.f32``) and round-to-nearest-even (the saturating hardware cast, see
+  ``_fp8_bits``);
+* NaN is propagated through the amax (``tl.max`` alone would drop it);
 * ue8m0 rounds the scale up to a power of two by bit manipulation (== frexp/ldexp for the normal,
   positive scales that ``max(amax, 1e-10) / 448`` can produce).
 
@@ -47,13 +47,15 @@ def _scale_from_amax(amax, UE8M0: tl.constexpr):
 
 @triton.jit
 def _fp8_bits(x, scale):
-    """uint8 bit patterns of ``fp8_e4m3fn(clamp(x / scale, -448, 448))`` as torch produces them."""
+    """uint8 bit patterns of ``fp8_e4m3fn(clamp(x / scale, -448, 448))`` as torch produces them.
+
+    No explicit clamp: Triton lowers this cast to ``cvt.rn.satfinite.e4m3x2.f32`` on SM89+, which
+    rounds to nearest even and saturates to ±448 exactly as clamp-then-cast does. NaN needs no
+    care either: a NaN quotient on the GPU is the canonical (positive) NaN, which both torch and
+    the hardware cast turn into 0x7f. The GPU tests check both claims bit for bit.
+    """
     v = tl.math.div_rn(x, scale)
-    v = tl.where(v > 448.0, 448.0, v)  # comparisons are False for NaN, which passes through
-    v = tl.where(v < -448.0, -448.0, v)
-    q = v.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
-    sign = ((v.to(tl.uint32, bitcast=True) >> 24) & 0x80).to(tl.uint8)
-    return tl.where(v != v, sign | 0x7F, q)
+    return v.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
 
 
 @triton.jit
@@ -104,13 +106,14 @@ def weight_quant_kernel(
 @triton.jit
 def requant_transpose_kernel(
     q_ptr, s_ptr, qt_ptr, st_ptr, M, K, stride_qm, stride_sm, stride_qtk, stride_stk,
-    GROUP: tl.constexpr, BLOCK_K: tl.constexpr, UE8M0: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_K: tl.constexpr, UE8M0: tl.constexpr, TRANS_F32: tl.constexpr,
 ):
     """q [M, K] fp8 (uint8 view) with s [M, ceil(K/GROUP)] -> qt [K, M], st [K, ceil(M/GROUP)].
 
     Dequantizes one (GROUP tokens x BLOCK_K features) tile (``q.float() * s``, as the reference),
     then re-quantizes it in GROUP x 1 groups along the tokens and writes it transposed.
-    BLOCK_K divides GROUP, so each tile column reads one input scale per token.
+    BLOCK_K divides GROUP, so each tile column reads one input scale per token. TRANS_F32 moves
+    the FP32 tile through shared memory instead of the FP8 bytes (a tuning choice, same values).
     """
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -122,7 +125,10 @@ def requant_transpose_kernel(
     x = bits.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s_in[:, None]
     x = tl.where(mask, x, 0.0)  # absent tokens never raise the amax (and 0 * inf would be NaN)
     scale = _scale_from_amax(_amax(x, 0), UE8M0)  # (BLOCK_K,)
-    qt = tl.trans(_fp8_bits(x, scale[None, :]))  # (BLOCK_K, GROUP)
+    if TRANS_F32:
+        qt = _fp8_bits(tl.trans(x), scale[:, None])  # (BLOCK_K, GROUP)
+    else:
+        qt = tl.trans(_fp8_bits(x, scale[None, :]))
     tl.store(qt_ptr + cols[:, None].to(tl.int64) * stride_qtk + rows[None, :], qt, mask=tl.trans(mask))
     tl.store(st_ptr + cols.to(tl.int64) * stride_stk + pid_m, scale, mask=cols < K)
 
@@ -142,7 +148,7 @@ def transpose_u8_kernel(x_ptr, y_ptr, R, C, stride_xr, stride_yc, BLOCK_R: tl.co
 @triton.jit
 def act_quant_both_kernel(
     x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, K, stride_xm, stride_qm, stride_sm, stride_qtk, stride_stk,
-    GROUP: tl.constexpr, UE8M0: tl.constexpr,
+    GROUP: tl.constexpr, UE8M0: tl.constexpr, TRANS_F32: tl.constexpr,
 ):
     """One read of a (GROUP x GROUP) tile of x [M, K], two quantizations:
     q/s  = 1 x GROUP groups along K (rows of x), and
@@ -159,6 +165,9 @@ def act_quant_both_kernel(
     tl.store(q_ptr + rows[:, None].to(tl.int64) * stride_qm + cols[None, :], _fp8_bits(x, s_row[:, None]), mask=mask)
     tl.store(s_ptr + rows.to(tl.int64) * stride_sm + pid_k, s_row, mask=rows < M)
     s_col = _scale_from_amax(_amax(x, 0), UE8M0)  # (GROUP,) one per column of x
-    qt = tl.trans(_fp8_bits(x, s_col[None, :]))
+    if TRANS_F32:
+        qt = _fp8_bits(tl.trans(x), s_col[:, None])
+    else:
+        qt = tl.trans(_fp8_bits(x, s_col[None, :]))
     tl.store(qt_ptr + cols[:, None].to(tl.int64) * stride_qtk + rows[None, :], qt, mask=tl.trans(mask))
     tl.store(st_ptr + cols.to(tl.int64) * stride_stk + pid_m, s_col, mask=cols < K)

@@ -17,10 +17,14 @@ Departures from a bare ``_scaled_mm`` call, none of which changes a value:
   the padded groups add exact zeros. A ragged last K group is padded the same way.
 * ``N`` is padded to a multiple of 16 (cuBLASLt's alignment for the FP8 operand and the output);
   the padded output columns are dropped.
-* ``M`` is padded to a multiple of 16 (rows of zeros, scales of one): on the H200 with torch 2.11 /
-  CUDA 13.0, cuBLASLt's heuristic returned CUBLAS_STATUS_NOT_SUPPORTED for M = 7, 231, 257 (and for
-  M = 1 with 128×128 B scales), presumably because the column-major ``scale_a`` then has a leading
-  dimension that is not 16-byte aligned. The padded output rows are dropped (a view, no copy).
+* ``M`` is padded to a multiple of 4 (rows of zeros, scales of one): on the H200 with torch 2.11 /
+  CUDA 13.0, cuBLASLt's heuristic returned CUBLAS_STATUS_NOT_SUPPORTED for M = 1, 2, 7, 231, 257
+  and accepted M = 4, 8, 12, 100 (``benchmarks/probe_scaled_mm.py``): the column-major ``scale_a``
+  needs a 16-byte-aligned leading dimension. The padded output rows are dropped (a view, no copy).
+* The same probe found *silently wrong* results (relative error 20 to 1e20) for 128×128 B scales
+  whenever ceil(K/128) was not a multiple of 4 — hence that padding is not optional.
+* A call cuBLASLt still refuses raises ``NotImplementedError``, so the automatic choice falls
+  through to the next backend (Triton) instead of failing.
 * Output dtypes other than BF16 are computed in FP32 by cuBLASLt (``out_dtype=float32``) and cast.
 """
 
@@ -36,7 +40,7 @@ from jetrl_trainer.kernels.gemm import register_gemm_backend
 __all__ = ["scaled_mm_available", "scaled_mm_fp8_gemm_nt"]
 
 _GROUP = 128
-M_ALIGN = 16  # rows of A (and of scale_a's leading dimension) are padded to this multiple
+M_ALIGN = 4  # rows of A (and of scale_a's leading dimension) are padded to this multiple
 
 
 def _round_up(x: int, m: int) -> int:
@@ -127,7 +131,10 @@ def scaled_mm_fp8_gemm_nt(
     n = b_q.shape[0]
     a, b, scale_a, scale_b = prepare_scaled_mm_operands(a_q, a_s, b_q, b_s, b_granularity)
     mm_dtype = out_dtype if out_dtype == torch.bfloat16 else torch.float32
-    out = torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=mm_dtype)
+    try:
+        out = torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=mm_dtype)
+    except RuntimeError as exc:  # cuBLASLt's heuristic refused the layout (host-side, nothing launched)
+        raise NotImplementedError(f"cuBLASLt refused this blockwise FP8 GEMM: {exc}") from exc
     if out.shape[0] != a_q.shape[0]:
         out = out[: a_q.shape[0]]
     if out.shape[1] != n:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from jetrl_trainer.kernels._triton_support import cdiv, load_jit, triton_available
+from jetrl_trainer.kernels._triton_support import call_op, cdiv, load_jit, triton_available
 from jetrl_trainer.kernels.gemm import register_gemm_backend
 
 __all__ = ["triton_fp8_gemm_nt", "triton_gemm_available"]
@@ -34,12 +34,16 @@ def triton_gemm_available(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(index) >= (8, 9)
 
 
+# Tiles for M > 64 (benchmarks/tune_quant_kernels.py sweeps them on the GPU at hand).
+LARGE = dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=4)
+
+
 def _config(m: int, n: int) -> dict:
     # Decode-sized M: the GEMM is bound by reading B, so spread N over many programs.
     if m <= 64:
         block_n = 64 if cdiv(n, 64) >= 132 else 32
         return dict(BLOCK_M=64, BLOCK_N=block_n, GROUP_M=1, num_warps=4, num_stages=4)
-    return dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=4)
+    return dict(LARGE)
 
 
 @torch.library.custom_op("jetrl::triton_fp8_gemm_nt", mutates_args=(), device_types="cuda")
@@ -82,7 +86,7 @@ def triton_fp8_gemm_nt(
         raise ValueError(f"out_dtype must be one of {_OUT_DTYPES}; got {out_dtype}.")
     a_q = a_q if a_q.stride(-1) == 1 else a_q.contiguous()
     b_q = b_q if b_q.stride(-1) == 1 else b_q.contiguous()
-    return torch.ops.jetrl.triton_fp8_gemm_nt(a_q, a_s, b_q, b_s, b_granularity == "block", out_dtype)
+    return call_op(_gemm_op, a_q, a_s, b_q, b_s, b_granularity == "block", out_dtype)
 
 
 register_gemm_backend("triton", triton_fp8_gemm_nt, is_available=triton_gemm_available, priority=10)

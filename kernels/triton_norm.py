@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._triton_support import cdiv, check_cuda_2d, load_jit
+from ._triton_support import call_op, cdiv, check_cuda_2d, load_jit
 
 __all__ = ["rmsnorm_quant_fp8", "rmsnorm_reference"]
 
@@ -94,4 +94,4 @@ def rmsnorm_quant_fp8(
     if x.shape[1] > _MAX_K:
         raise ValueError(f"rmsnorm_quant_fp8 keeps a row in registers: K must be ≤ {_MAX_K}; got {x.shape[1]}.")
     x = x if x.stride(-1) == 1 else x.contiguous()
-    return torch.ops.jetrl.rmsnorm_quant_fp8(x, weight.contiguous(), float(eps), scale_format)
+    return call_op(_rmsnorm_quant_op, x, weight.contiguous(), float(eps), scale_format)

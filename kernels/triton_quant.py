@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from ._triton_support import cdiv, check_cuda_2d, check_group, load_jit, triton_available
+from ._triton_support import call_op, cdiv, check_cuda_2d, check_group, load_jit, triton_available
 
 __all__ = [
     "act_quant_fp8",
@@ -44,10 +44,10 @@ _SCALE_FORMATS = ("fp32", "ue8m0")
 LAUNCH = {
     "act": (16, 2, 4),
     "act_t": (64, 1, 4),
-    "weight": (8,),
-    "requant_t": (64, 4),  # BLOCK_K, warps
-    "transpose": (64, 64, 4),  # BLOCK_R, BLOCK_C, warps
-    "both": (8,),
+    "weight": (16,),
+    "requant_t": (32, 4, False),  # BLOCK_K, warps, transpose the FP32 tile (not the FP8 bytes)
+    "transpose": (64, 256, 8),  # BLOCK_R, BLOCK_C, warps
+    "both": (4, False),  # warps, transpose the FP32 tile
 }
 
 
@@ -101,7 +101,7 @@ def act_quant_fp8(
     check_cuda_2d(x, "x")
     check_group(group)
     _check_scale_format(scale_format)
-    return torch.ops.jetrl.act_quant_fp8(x, group, scale_format)
+    return call_op(_act_quant_op, x, group, scale_format)
 
 
 # --------------------------------------------------------------------------------------------
@@ -139,7 +139,7 @@ def weight_quant_fp8(
     check_cuda_2d(w, "weight")
     check_group(block, "block")
     _check_scale_format(scale_format)
-    return torch.ops.jetrl.weight_quant_fp8(_unit_stride(w), block, scale_format)
+    return call_op(_weight_quant_op, _unit_stride(w), block, scale_format)
 
 
 # --------------------------------------------------------------------------------------------
@@ -155,11 +155,11 @@ def _requant_transpose_op(
     st = torch.empty((k, cdiv(m, group)), dtype=torch.float32, device=q.device)
     if m == 0 or k == 0:
         return qt, st
-    block_k, warps = LAUNCH["requant_t"]
+    block_k, warps, trans_f32 = LAUNCH["requant_t"]
     block_k = min(group, block_k)  # (group x block_k) tile; the transpose goes through shared memory
     jit.requant_transpose_kernel[(cdiv(m, group), cdiv(k, block_k))](
         q.view(torch.uint8), s, qt.view(torch.uint8), st, m, k, q.stride(0), s.stride(0), qt.stride(0), st.stride(0),
-        GROUP=group, BLOCK_K=block_k, UE8M0=scale_format == "ue8m0", num_warps=warps,
+        GROUP=group, BLOCK_K=block_k, UE8M0=scale_format == "ue8m0", TRANS_F32=trans_f32, num_warps=warps,
     )
     return qt, st
 
@@ -186,7 +186,7 @@ def requant_transpose_fp8(
     expected = (q.shape[0], cdiv(q.shape[1], group))
     if tuple(s.shape) != expected:
         raise ValueError(f"s has shape {tuple(s.shape)}; expected {expected} for q {tuple(q.shape)}, group={group}.")
-    return torch.ops.jetrl.requant_transpose_fp8(_unit_stride(q), _unit_stride(s), group, scale_format)
+    return call_op(_requant_transpose_op, _unit_stride(q), _unit_stride(s), group, scale_format)
 
 
 # --------------------------------------------------------------------------------------------
@@ -221,7 +221,7 @@ def transpose_fp8_blocks(q: torch.Tensor, s_inv: torch.Tensor) -> tuple[torch.Te
     """
     check_cuda_2d(q, "q", (_FP8,))
     check_cuda_2d(s_inv, "s_inv", (torch.float32,))
-    return torch.ops.jetrl.transpose_fp8_blocks(_unit_stride(q), s_inv)
+    return call_op(_transpose_blocks_op, _unit_stride(q), s_inv)
 
 
 # --------------------------------------------------------------------------------------------
@@ -241,7 +241,7 @@ def _act_quant_both_op(
         jit.act_quant_both_kernel[(cdiv(m, group), cdiv(k, group))](
             x, q.view(torch.uint8), s, qt.view(torch.uint8), st, m, k,
             x.stride(0), q.stride(0), s.stride(0), qt.stride(0), st.stride(0),
-            GROUP=group, UE8M0=scale_format == "ue8m0", num_warps=LAUNCH["both"][0],
+            GROUP=group, UE8M0=scale_format == "ue8m0", TRANS_F32=LAUNCH["both"][1], num_warps=LAUNCH["both"][0],
         )
     return q, s, qt, st
 
@@ -266,5 +266,5 @@ def act_quant_fp8_both(
     check_cuda_2d(x, "x")
     check_group(group)
     _check_scale_format(scale_format)
-    q, s, qt, st = torch.ops.jetrl.act_quant_fp8_both(_unit_stride(x), group, scale_format)
+    q, s, qt, st = call_op(_act_quant_both_op, _unit_stride(x), group, scale_format)
     return (q, s), (qt, st)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._triton_support import cdiv, check_cuda_2d, load_jit
+from ._triton_support import call_op, cdiv, check_cuda_2d, load_jit
 
 __all__ = ["swiglu_quant_fp8", "swiglu_reference"]
 
@@ -80,4 +80,4 @@ def swiglu_quant_fp8(
         )
     gate = gate if gate.stride(-1) == 1 else gate.contiguous()
     up = up if up.stride(-1) == 1 else up.contiguous()
-    return torch.ops.jetrl.swiglu_quant_fp8(gate, up, scale_format)
+    return call_op(_swiglu_quant_op, gate, up, scale_format)

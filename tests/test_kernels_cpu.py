@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from jetrl_trainer.kernels import available_gemm_backends, fp8_gemm_nt, registered_gemm_backends
-from jetrl_trainer.kernels.scaled_mm import prepare_scaled_mm_operands, scaled_mm_available
+from jetrl_trainer.kernels.scaled_mm import M_ALIGN, prepare_scaled_mm_operands, scaled_mm_available
 from jetrl_trainer.kernels.triton_gemm import triton_gemm_available
 from jetrl_trainer.kernels.triton_norm import _pairwise_sum, rmsnorm_reference
 from jetrl_trainer.kernels.triton_swiglu import swiglu_reference
@@ -91,7 +91,7 @@ def test_scaled_mm_operands_layout_and_padding(m, n, k, granularity):
     b_q, b_s = quantize_fp8_blocks(torch.randn(n, k)) if granularity == "block" else quantize_fp8_groups(torch.randn(n, k))
     a, b, sa, sb = prepare_scaled_mm_operands(a_q, a_s, b_q, b_s, granularity)
     k_pad = -(-k // 512) * 512  # ceil(K/128) rounded up to a multiple of 4 groups
-    n_pad, m_pad = -(-n // 16) * 16, -(-m // 16) * 16
+    n_pad, m_pad = -(-n // 16) * 16, -(-m // M_ALIGN) * M_ALIGN
     assert a.shape == (m_pad, k_pad) and a.is_contiguous()
     assert b.shape == (k_pad, n_pad) and b.stride() == (1, k_pad)  # column-major [K, N]
     assert _is_blockwise_1x128(a, sa)
