@@ -20,7 +20,7 @@ import copy
 
 import torch
 
-from _common import bench_ms, dump, environment
+from _common import bench_graph_ms, bench_ms, dump, environment
 import contextlib
 
 import jetrl_trainer.quant.linear as quant_linear
@@ -72,7 +72,12 @@ def proposed_dispatch():
 
 
 def _weight_memory(layer) -> dict:
+    """Bytes of the FP8 weight cache of a freshly quantized layer (nothing cached yet) vs its BF16 weights."""
     bf16 = sum(m.weight.numel() * m.weight.element_size() for m in layer.modules() if isinstance(m, QuantLinear))
+    invalidate_weight_caches()
+    for m in layer.modules():
+        if isinstance(m, QuantLinear):
+            m._weight_cache = {}  # drop what the timing runs cached, so the allocation below is new
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     cached = [m.quantized_weight(m.recipes["train"]) for m in layer.modules() if isinstance(m, QuantLinear)]
@@ -102,6 +107,15 @@ def run() -> dict:
     times["fp8_fused"] = bench_ms(_step(fused, hidden, pos_emb, grad))
     with proposed_dispatch():
         times["fp8_fused_proposed"] = bench_ms(_step(fused, hidden, pos_emb, grad))
+    graphed = {}
+    for name, module in (("bf16", layer), ("fp8", fp8), ("fp8_fused", fused)):
+        ctx = proposed_dispatch() if name != "bf16" else contextlib.nullcontext()
+        try:
+            with ctx:
+                graphed[name] = round(bench_graph_ms(_step(module, hidden, pos_emb, grad), calls=2, replays=10), 3)
+        except Exception as exc:  # capture can fail where an op syncs; report it
+            graphed[name] = f"{type(exc).__name__}: {str(exc)[:120]}"
+    result["cuda_graph_ms_proposed_dispatch"] = graphed
     result["ms"] = {k: round(v, 3) for k, v in times.items()}
     result["speedup_vs_bf16"] = {k: round(times["bf16"] / v, 3) for k, v in times.items() if k != "bf16"}
     return result

@@ -48,7 +48,7 @@ def _headline(results: dict) -> None:
     for k, v in results.get("probe_scaled_mm", {}).get("raw_scaled_mm", {}).items():
         print("probe", k, v)
     for k, v in results.get("tune_quant_kernels", {}).items():
-        if isinstance(v, dict) and "best" in v:
+        if isinstance(v, dict) and "fraction_of_copy" in v:
             print("tune", k, v["best"], v["fraction_of_copy"])
     r = results.get("quant_kernels", {})
     for k in r.get("kernels", []):
@@ -72,6 +72,7 @@ def _headline(results: dict) -> None:
     d = results.get("decoder_layer", {})
     if "ms" in d:
         print("decoder layer", d["ms"], d["speedup_vs_bf16"], d.get("memory"))
+        print("decoder layer graphed", d.get("cuda_graph_ms_proposed_dispatch"))
     for name, v in results.items():
         if "error" in v:
             print(name, "ERROR", v["error"])

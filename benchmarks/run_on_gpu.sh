@@ -17,5 +17,5 @@ if [ "$WHAT" != bench ]; then
     2>&1 | tee "$OUT/tests.log" | tail -60
 fi
 if [ "$WHAT" != tests ]; then
-  timeout ${BENCH_TIMEOUT:-270} python3 benchmarks/run_all.py "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -80
+  timeout ${BENCH_TIMEOUT:-270} python3 benchmarks/run_all.py "$OUT" ${BENCH_NAMES:-} 2>&1 | tee "$OUT/bench.log" | tail -80
 fi

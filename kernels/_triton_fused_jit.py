@@ -77,3 +77,31 @@ def swiglu_quant_kernel(
     tl.store(q_ptr + r3 * stride_qm + c3, _fp8_bits(hf, scale[:, :, None]), mask=mask)
     s_mask = (rows[:, None] < M) & (groups[None, :] < tl.cdiv(K, GROUP))
     tl.store(s_ptr + rows[:, None] * stride_sm + groups[None, :], scale, mask=s_mask)
+
+
+@triton.jit
+def rmsnorm_backward_kernel(
+    x_ptr, w_ptr, dy_ptr, dx_ptr, dw_part_ptr, M, K, k_float, eps, stride_xm, stride_dym, stride_dxm,
+    BLOCK_K: tl.constexpr, ROWS_PER_PROG: tl.constexpr,
+):
+    """RMSNorm backward for y = w * (x * r).to(dtype), r = (mean(x²) + eps)^-1/2, in one pass:
+    dx = r * (dh - h * mean(dh * h)) with dh = dy * w, h = x * r; per-program partial sums of
+    dw = sum_rows(dy * h.to(dtype)) go to dw_part[pid] (summed by the host in a fixed order)."""
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_K)
+    mask = cols < K
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    dw = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for i in range(ROWS_PER_PROG):
+        row = (pid * ROWS_PER_PROG + i).to(tl.int64)
+        if row < M:
+            x_raw = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0)
+            x = x_raw.to(tl.float32)
+            dy = tl.load(dy_ptr + row * stride_dym + cols, mask=mask, other=0.0).to(tl.float32)
+            r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / k_float + eps)
+            h = x * r
+            dh = dy * w
+            c = tl.sum(dh * h, axis=0) / k_float
+            tl.store(dx_ptr + row * stride_dxm + cols, (r * (dh - h * c)).to(dx_ptr.dtype.element_ty), mask=mask)
+            dw += dy * h.to(x_raw.dtype).to(tl.float32)
+    tl.store(dw_part_ptr + pid * BLOCK_K + cols, dw, mask=mask)

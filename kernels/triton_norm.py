@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from ._triton_support import call_op, cdiv, check_cuda_2d, load_jit
 
-__all__ = ["rmsnorm_quant_fp8", "rmsnorm_reference"]
+__all__ = ["rmsnorm_backward", "rmsnorm_quant_fp8", "rmsnorm_reference"]
 
 _FP8 = torch.float8_e4m3fn
 _GROUP = 128
@@ -95,3 +95,49 @@ def rmsnorm_quant_fp8(
         raise ValueError(f"rmsnorm_quant_fp8 keeps a row in registers: K must be ≤ {_MAX_K}; got {x.shape[1]}.")
     x = x if x.stride(-1) == 1 else x.contiguous()
     return call_op(_rmsnorm_quant_op, x, weight.contiguous(), float(eps), scale_format)
+
+
+# --------------------------------------------------------------------------------------------
+# Backward (for quant.fused.FusedRMSNorm): one pass over x and dy, not a chain of FP32 torch ops
+# --------------------------------------------------------------------------------------------
+@torch.library.custom_op("jetrl::rmsnorm_backward", mutates_args=(), device_types="cuda")
+def _rmsnorm_backward_op(
+    x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    jit = load_jit("_triton_fused_jit")
+    m, k = x.shape
+    dx = torch.empty((m, k), dtype=x.dtype, device=x.device)
+    if m == 0 or k == 0:
+        return dx, torch.zeros_like(weight)
+    block_k = max(16, 1 << (k - 1).bit_length())
+    programs = min(m, 4 * torch.cuda.get_device_properties(x.device).multi_processor_count)
+    rows = cdiv(m, programs)
+    programs = cdiv(m, rows)
+    dw_part = torch.empty((programs, block_k), dtype=torch.float32, device=x.device)
+    jit.rmsnorm_backward_kernel[(programs,)](
+        x, weight, dy, dx, dw_part, m, k, float(k), eps, x.stride(0), dy.stride(0), dx.stride(0),
+        BLOCK_K=block_k, ROWS_PER_PROG=rows, num_warps=min(16, max(4, block_k // 512)),
+    )
+    return dx, dw_part[:, :k].sum(0).to(weight.dtype)
+
+
+@_rmsnorm_backward_op.register_fake
+def _(x, weight, dy, eps):
+    return torch.empty_like(x), torch.empty_like(weight)
+
+
+def rmsnorm_backward(
+    x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients ``(dx, dweight)`` of ``rmsnorm_reference(x, weight, eps)`` for output gradient ``dy``.
+
+    FP32 math in one kernel; the cast to the input dtype is treated as the identity (as autograd
+    does). ``x``, ``dy`` ``[M, K]`` on CUDA with unit stride along K; ``dx`` has ``x``'s dtype.
+    """
+    check_cuda_2d(x, "x")
+    check_cuda_2d(dy, "dy")
+    if dy.shape != x.shape or weight.shape != (x.shape[1],):
+        raise ValueError(f"dy must match x {tuple(x.shape)} and weight must be [{x.shape[1]}]; got {tuple(dy.shape)}, {tuple(weight.shape)}.")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    dy = dy if dy.stride(-1) == 1 else dy.contiguous()
+    return call_op(_rmsnorm_backward_op, x, weight.contiguous(), dy, float(eps))

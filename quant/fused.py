@@ -19,7 +19,8 @@ Departures from the modules they replace:
   ``x / sqrt(var + eps)`` instead of ``x * rsqrt(...)``): ≤ 1 BF16 ulp from transformers' module,
   identical on CPU and GPU, identical in rollout and training (both phases use this module);
 * SwiGLU is exactly ``F.silu(gate) * up`` (no departure);
-* backward passes are computed in FP32 from the saved inputs (not through the BF16 casts).
+* the RMSNorm backward is one FP32 kernel from the saved input (not autograd through the casts);
+  the SwiGLU backward is exactly autograd's (``silu_backward`` and two products, input dtype).
 Falls back cleanly: layers of other shapes (LayerNorm, GELU MLPs, norms with a bias, LLaDA's
 inline SwiGLU) are left untouched, and off CUDA / without Triton the pure-torch references run.
 
@@ -35,9 +36,17 @@ import weakref
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from jetrl_trainer.kernels import rmsnorm_quant_fp8, rmsnorm_reference, swiglu_quant_fp8, swiglu_reference, triton_available
+from jetrl_trainer.kernels import (
+    rmsnorm_backward,
+    rmsnorm_quant_fp8,
+    rmsnorm_reference,
+    swiglu_quant_fp8,
+    swiglu_reference,
+    triton_available,
+)
 from jetrl_trainer.quant.linear import QuantLinear
 from jetrl_trainer.quant.phase import current_phase
 from jetrl_trainer.quant.recipe import FP8Recipe
@@ -109,14 +118,9 @@ class _RMSNormQuantFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, _dq, _ds):
         x, w = ctx.saved_tensors
-        # y = w * h, h = x * r, r = (mean(x²) + eps)^-1/2  →  dx = r * (dh - h * mean(dh * h))
-        xf, dyf = x.float(), dy.float()
-        r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + ctx.eps)
-        h = xf * r
-        dh = dyf * w.float()
-        dx = r * (dh - h * (dh * h).mean(-1, keepdim=True))
-        dw = (dyf * h.to(x.dtype).float()).sum(0)
-        return dx.to(x.dtype), dw.to(w.dtype), None, None
+        # y = w * h, h = x * r, r = (mean(x²) + eps)^-1/2  →  dx = r * (dh - h * mean(dh * h)), one kernel
+        dx, dw = rmsnorm_backward(x, w, dy, ctx.eps)
+        return dx, dw, None, None
 
 
 class FusedRMSNorm(nn.Module):
@@ -160,11 +164,10 @@ class _SwiGLUQuantFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dh, _dq, _ds):
         gate, up = ctx.saved_tensors
-        g, u, dhf = gate.float(), up.float(), dh.float()
-        sig = torch.sigmoid(g)
-        silu = g * sig
-        dgate = dhf * u * sig * (1 + g * (1 - sig))
-        return dgate.to(gate.dtype), (dhf * silu).to(up.dtype), None
+        # Exactly what autograd runs for F.silu(gate) * up (same ops, same dtype, same bits).
+        d_up = dh * F.silu(gate)
+        d_gate = torch.ops.aten.silu_backward(dh * up, gate)
+        return d_gate, d_up, None
 
 
 class FusedSwiGLUMLP(nn.Module):

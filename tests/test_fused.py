@@ -116,3 +116,20 @@ def test_fused_rmsnorm_backward_matches_autograd_of_reference():
     x32, w32 = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
     rmsnorm_reference(x32, w32, 1e-6).backward(dy.float())
     assert _cos(dx, x32.grad) > 0.999 and _cos(dw, w32.grad) > 0.999
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not triton_available(), reason="needs Triton")
+def test_fused_swiglu_backward_is_autograds_bit_for_bit():
+    from jetrl_trainer.quant.fused import _SwiGLUQuantFunction
+
+    gate = torch.randn(300, 1000, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    up = torch.randn(300, 1000, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dh = torch.randn(300, 1000, device="cuda", dtype=torch.bfloat16)
+    h, _, _ = _SwiGLUQuantFunction.apply(gate, up, "fp32")
+    h.backward(dh)
+    got = (gate.grad.clone(), up.grad.clone())
+    gate.grad = up.grad = None
+    (F.silu(gate) * up).backward(dh)
+    assert torch.equal(h, F.silu(gate) * up)
+    assert torch.equal(got[0], gate.grad) and torch.equal(got[1], up.grad)

@@ -197,6 +197,23 @@ def test_swiglu_quant_bit_exact(shape, dtype, scale_format):
     assert_bits_equal(q, rq, "q")
 
 
+@pytest.mark.parametrize("shape", ((1, 128), (257, 1000), (4096, 4096)))
+def test_rmsnorm_backward_matches_fp64_autograd(shape):
+    from jetrl_trainer.kernels import rmsnorm_backward, rmsnorm_reference
+
+    g = torch.Generator(device="cuda").manual_seed(shape[0])
+    x = torch.randn(shape, device="cuda", generator=g).to(torch.bfloat16)
+    w = (1 + 0.1 * torch.randn(shape[1], device="cuda", generator=g)).to(torch.bfloat16)
+    dy = torch.randn(shape, device="cuda", generator=g).to(torch.bfloat16)
+    dx, dw = rmsnorm_backward(x, w, dy, 1e-6)
+    assert dx.dtype == x.dtype and dw.dtype == w.dtype and dx.shape == x.shape and dw.shape == w.shape
+    x64, w64 = x.double().requires_grad_(), w.double().requires_grad_()
+    rmsnorm_reference(x64, w64, 1e-6).backward(dy.double())
+    for got, want in ((dx, x64.grad), (dw, w64.grad)):
+        rel = ((got.double() - want).norm() / want.norm()).item()
+        assert rel < 5e-3, rel  # BF16 output rounding; the math is FP32
+
+
 def test_swiglu_matches_qwen3_mlp_activation():
     """The reference *is* the transformers computation: act_fn(gate) * up."""
     from transformers import Qwen3Config
