@@ -106,7 +106,7 @@ def _random_solution(rng) -> Grid:
     return grid
 
 
-def make_puzzle(rng, *, holes: int = 6) -> tuple[Grid, Grid]:
+def make_puzzle(rng, *, holes: int = 10) -> tuple[Grid, Grid]:
     """``(puzzle, solution)`` with exactly ``holes`` empty cells and a unique solution."""
     if not 1 <= holes <= 12:  # a 4x4 sudoku needs at least 4 givens to be unique
         raise ValueError(f"holes must be in [1, 12], got {holes}")
@@ -127,7 +127,7 @@ def make_puzzle(rng, *, holes: int = 6) -> tuple[Grid, Grid]:
     raise ValueError(f"could not build a unique puzzle with {holes} holes; use fewer holes")
 
 
-def make_dataset(n: int, seed: int = 0, *, holes: int = 6, prompt_style: str = "short"):
+def make_dataset(n: int, seed: int = 0, *, holes: int = 10, prompt_style: str = "short"):
     """``n`` puzzles; columns ``prompt``, ``puzzle``, ``solution`` (grid strings)."""
     from datasets import Dataset
 
