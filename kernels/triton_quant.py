@@ -46,7 +46,7 @@ LAUNCH = {
     "act_t": (64, 1, 4),
     "weight": (16,),
     "requant_t": (32, 4, False),  # BLOCK_K, warps, transpose the FP32 tile (not the FP8 bytes)
-    "transpose": (128, 256, 8),  # BLOCK_R, BLOCK_C, warps
+    "transpose": (64, 256, 8),  # BLOCK_R, BLOCK_C, warps
     "both": (4, False),  # warps, transpose the FP32 tile
 }
 
