@@ -36,7 +36,8 @@ def test_reward_functions_are_named_after_their_task():
 def test_completion_text_accepts_strings_messages_and_content_blocks():
     assert completion_text("42") == "42"
     assert completion_text(_as_chat("42")) == "42"
-    assert completion_text([{"role": "assistant", "content": [{"type": "text", "text": "4"}, {"type": "text", "text": "2"}]}]) == "42"
+    blocks = [{"type": "text", "text": "4"}, {"type": "text", "text": "2"}]
+    assert completion_text([{"role": "assistant", "content": blocks}]) == "42"
     assert completion_text([{"role": "user", "content": "no"}, {"role": "assistant", "content": "7"}]) == "7"
     with pytest.raises(ValueError, match="string or a list of chat messages"):
         completion_text(42)
@@ -91,7 +92,8 @@ def test_arithmetic_reward_rules():
     for malformed in ("", "nineteen", "19 20", "19abc", "=19"):
         assert score(malformed, 19) == 0.0, malformed
     prompts = [[{"role": "user", "content": "12+7="}]] * 3
-    got = arithmetic.arithmetic_reward(prompts, [_as_chat("19"), "18", _as_chat("x")], answer=[19, 19, 19], trainer_state=None)
+    completions = [_as_chat("19"), "18", _as_chat("x")]
+    got = arithmetic.arithmetic_reward(prompts, completions, answer=[19, 19, 19], trainer_state=None)
     assert got == pytest.approx([1.0, 0.1 + 0.4 * (1 - 1 / 19), 0.0])
     with pytest.raises(ValueError, match="answers"):
         arithmetic.arithmetic_reward(prompts, ["1"], answer=[1, 2])
@@ -254,7 +256,8 @@ def test_gsm8k_loads_parquet_data_files_and_directories(tmp_path):
     _write_jsonl(folder / "train.jsonl")
     assert load_gsm8k(split="train", path_or_name=str(folder))["answer"] == ["72", "1234", "2.5"]
     sub = load_gsm8k(path_or_name=str(folder / "train.jsonl"), n=2, seed=1)
-    assert len(sub) == 2 and sub.to_list() == load_gsm8k(path_or_name=str(folder / "train.jsonl"), n=2, seed=1).to_list()
+    again = load_gsm8k(path_or_name=str(folder / "train.jsonl"), n=2, seed=1)
+    assert len(sub) == 2 and sub.to_list() == again.to_list()
 
 
 def test_gsm8k_bad_inputs(tmp_path):

@@ -44,7 +44,9 @@ def one_thread():
 # ---------------------------------------------------------------- tokenizer
 
 
-@pytest.mark.parametrize("text", ["12+7=", "", " a  b\n\n\tc ", "users assistant system!", "naïve €5 — 日本", "<|im_end|>x"])
+@pytest.mark.parametrize(
+    "text", ["12+7=", "", " a  b\n\n\tc ", "users assistant system!", "naïve €5 — 日本", "<|im_end|>x"]
+)
 def test_tokenizer_round_trips_any_text(tok, text):
     assert tok.decode(tok(text)["input_ids"]) == text
 
@@ -106,7 +108,8 @@ def test_tiny_model_config_forward_and_generate(tok, build):
     model = build(tok)
     cfg = model.config
     assert (cfg.vocab_size, cfg.pad_token_id, cfg.eos_token_id, cfg.bos_token_id) == (len(tok), 0, 1, 1)
-    assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.tie_word_embeddings) == (128, 4, 2, False)
+    assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads) == (128, 4, 2)
+    assert cfg.tie_word_embeddings is False
     assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr()
     assert model.dtype == torch.float32
     assert model.generation_config.eos_token_id == [3, 1]  # <|im_end|> then <|endoftext|>
@@ -127,7 +130,9 @@ def test_tiny_model_init_is_seeded_and_private(tok):
 
 
 def test_tiny_model_overrides_and_bad_input(tok):
-    model = build_tiny_llama(tok, hidden_size=96, intermediate_size=200, num_hidden_layers=3, head_dim=24, dtype="bfloat16")
+    model = build_tiny_llama(
+        tok, hidden_size=96, intermediate_size=200, num_hidden_layers=3, head_dim=24, dtype="bfloat16"
+    )
     assert model.model.layers[0].mlp.up_proj.weight.shape == (200, 96)
     assert len(model.model.layers) == 3 and model.dtype == torch.bfloat16
     with pytest.raises(ValueError, match="unknown Qwen3Config fields"):
@@ -204,8 +209,10 @@ def test_trl_grpo_trainer_uses_the_template_and_task_columns(tok, tmp_path):
         seen.update(completions=completions, kwargs=kwargs)
         return task.reward_fn(prompts, completions, **kwargs)
 
-    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, max_completion_length=6,
-                      max_steps=1, report_to=[], use_cpu=True, save_strategy="no", bf16=False, disable_tqdm=True)
+    args = GRPOConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, max_completion_length=6,
+        max_steps=1, report_to=[], use_cpu=True, save_strategy="no", bf16=False, disable_tqdm=True,
+    )
     trainer = GRPOTrainer(model=build_tiny_qwen3(tok), processing_class=tok, reward_funcs=spy_reward, args=args,
                           train_dataset=task.make_dataset(8, seed=0))
     trainer.train()

@@ -44,6 +44,7 @@ class Task:
         max_completion_length: a completion budget in tokens that fits the reference answers of
             the default difficulty under the character-level tiny tokenizer.
         description: one line for ``--help`` texts.
+        difficulty_knobs: the keyword arguments ``make_dataset`` accepts besides ``n`` and ``seed``.
     """
 
     name: str

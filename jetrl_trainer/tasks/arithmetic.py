@@ -93,7 +93,9 @@ def score(text: str, answer: int) -> float:
     return FORMAT_CREDIT + CLOSENESS_CREDIT * closeness
 
 
-def arithmetic_reward(prompts: Sequence[Any], completions: Sequence[Any], answer: Sequence[int], **kwargs: Any) -> list[float]:
+def arithmetic_reward(
+    prompts: Sequence[Any], completions: Sequence[Any], answer: Sequence[int], **kwargs: Any
+) -> list[float]:
     """TRL reward function: reads the ``answer`` column."""
     if len(completions) != len(answer):
         raise ValueError(f"got {len(completions)} completions but {len(answer)} answers")

@@ -39,7 +39,7 @@ _LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".cs
 
 
 def parse_reference(solution: str) -> str:
-    """The final number of a GSM8K solution (text after ``####``), normalised: ``"1,234"`` -> ``"1234"``, ``"3.0"`` -> ``"3"``."""
+    """The final number of a GSM8K solution (after ``####``): ``"1,234"`` -> ``"1234"``, ``"3.0"`` -> ``"3"``."""
     if "####" not in solution:
         raise ValueError(f"a GSM8K answer ends with '#### <number>'; got {solution[-80:]!r}")
     final = solution.rsplit("####", 1)[1]
@@ -72,7 +72,9 @@ def score(text: str, answer: str) -> float:
     return 1.0 if pred is not None and pred == ref else 0.0
 
 
-def gsm8k_reward(prompts: Sequence[Any], completions: Sequence[Any], answer: Sequence[str], **kwargs: Any) -> list[float]:
+def gsm8k_reward(
+    prompts: Sequence[Any], completions: Sequence[Any], answer: Sequence[str], **kwargs: Any
+) -> list[float]:
     """TRL reward function: reads the ``answer`` column (the normalised final number)."""
     if len(completions) != len(answer):
         raise ValueError(f"got {len(completions)} completions but {len(answer)} answers")
@@ -102,7 +104,9 @@ def _load_raw(path_or_name: str, config: str | None, split: str, data_files: Any
     if os.path.isfile(path_or_name):
         ext = os.path.splitext(path_or_name)[1]
         if ext not in _LOCAL_FORMATS:
-            raise ValueError(f"a local GSM8K file must end in one of {sorted(_LOCAL_FORMATS)}, got {path_or_name!r}")
+            raise ValueError(
+                f"a local GSM8K file must end in one of {sorted(_LOCAL_FORMATS)}, got {path_or_name!r}"
+            )
         return load_dataset(_LOCAL_FORMATS[ext], data_files={split: path_or_name}, split=split)
     if os.path.isdir(path_or_name):
         return load_dataset(path_or_name, split=split)
