@@ -32,6 +32,7 @@ import torch.nn.functional as F
 __all__ = [
     "CHAT_TEMPLATE",
     "END_OF_TURN",
+    "build_tiny_llada",
     "build_tiny_llama",
     "build_tiny_qwen3",
     "build_tiny_tokenizer",
@@ -159,6 +160,19 @@ def build_tiny_llama(tokenizer=None, **overrides: Any):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     return _build(LlamaForCausalLM, LlamaConfig, tokenizer, dict(overrides))
+
+
+def build_tiny_llada(tokenizer=None, **overrides: Any):
+    """A tiny LLaDA (bidirectional masked-diffusion LM) sized to ``tokenizer``'s vocabulary and mask token.
+
+    ``overrides`` are `LLaDAConfig` fields plus ``seed`` and ``dtype``; see `jetrl_trainer.diffusion.tiny`.
+    """
+    from jetrl_trainer.diffusion.tiny import build_tiny_llada as _build_llada
+
+    tokenizer = tokenizer if tokenizer is not None else build_tiny_tokenizer()
+    ids = dict(vocab_size=len(tokenizer), mask_token_id=tokenizer.mask_token_id,
+               eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    return _build_llada(**{**ids, **overrides})
 
 
 # ---------------------------------------------------------------- sampling and evaluation

@@ -219,3 +219,16 @@ def test_trl_grpo_trainer_uses_the_template_and_task_columns(tok, tmp_path):
     assert {"answer", "expression"} <= set(seen["kwargs"])
     assert all(c[0]["role"] == "assistant" for c in seen["completions"])
     assert 3 in trainer.eos_token_ids and 1 in trainer.eos_token_ids
+
+
+def test_build_tiny_llada_matches_tokenizer():
+    from jetrl_trainer.diffusion import is_diffusion_model
+    from jetrl_trainer.tiny import build_tiny_llada
+
+    tok = build_tiny_tokenizer()
+    model = build_tiny_llada(tok, n_layers=1)
+    assert is_diffusion_model(model)
+    assert model.config.mask_token_id == tok.mask_token_id
+    assert model.config.n_layers == 1
+    ids = torch.tensor([tok.encode("12+7=")])
+    assert model(ids).logits.shape == (1, ids.shape[1], model.config.embedding_size)
