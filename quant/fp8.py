@@ -3,7 +3,10 @@
 Every other FP8 path — the Triton kernels, the rollout, the training forward and the exporter —
 must reproduce these functions bit for bit, so they are written for clarity, not speed.
 
-* scale ``s = max(amax, 1e-10) / 448`` in FP32 (as vLLM's ``per_token_group_quant_fp8``);
+* scale ``s = max(amax, 1e-10) * fp32(1/448)`` in FP32. This departs from the literal ``/ 448``
+  of DESIGN §3 on purpose: on CUDA, ATen runs ``tensor / 448.0`` as a multiply by the FP32
+  reciprocal, so writing the multiply makes the CPU and CUDA references (and the kernels) agree bit
+  for bit; the two definitions differ in the last bit of about half the scales;
 * ``q = saturate(round_to_nearest_even(x / s))`` — a true division, never ``x * (1 / s)``,
   because the two differ in the last bit and kernels must match;
 * optional ``ue8m0`` scale format: ``s`` rounded *up* to a power of two (DeepGEMM / Blackwell);
@@ -33,6 +36,7 @@ __all__ = [
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 _AMAX_FLOOR = 1e-10
+_INV_FP8_MAX = 1.0 / FP8_MAX  # rounded to FP32 by the multiply, as ATen's CUDA division does
 SCALE_FORMATS = ("fp32", "ue8m0")
 _FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -51,7 +55,7 @@ def _check_scale_format(scale_format: str) -> None:
 def fp8_scale_from_amax(amax: torch.Tensor, scale_format: str = "fp32") -> torch.Tensor:
     """FP32 dequantization scale for the given FP32 amax (``x ≈ q * scale``)."""
     _check_scale_format(scale_format)
-    scale = torch.clamp(amax.float(), min=_AMAX_FLOOR) / FP8_MAX  # clamp keeps NaN as NaN
+    scale = torch.clamp(amax.float(), min=_AMAX_FLOOR) * _INV_FP8_MAX  # clamp keeps NaN as NaN
     if scale_format == "ue8m0":
         # Round up to 2^k exactly: frexp gives scale = m * 2^e with m in [0.5, 1).
         mantissa, exponent = torch.frexp(scale)

@@ -52,10 +52,10 @@ def test_amax_maps_to_448_and_saturation():
 
 
 def test_divides_by_scale():
-    # amax 3 -> s = 3/448; q = x / s, not x * (1/s).
+    # amax 3 -> s = 3 * fp32(1/448) (ATen's CUDA division by a scalar); q = x / s, not x * (1/s).
     x = torch.tensor([[3.0, 1.0, -2.0]])
     q, s = quantize_fp8_groups(x)
-    assert s.item() == torch.tensor(3.0) / 448
+    assert s.item() == (torch.tensor(3.0) * torch.tensor(1 / 448, dtype=torch.float32)).item()
     expected = (x / s).to(FP8_DTYPE)
     assert torch.equal(q.view(torch.uint8), expected.view(torch.uint8))
     assert q.float()[0].tolist() == [448.0, 144.0, -288.0]
@@ -67,7 +67,7 @@ def test_ragged_group_tail_uses_its_own_amax():
     x[0, 128:] = torch.tensor([1.0, -2.0])
     q, s = quantize_fp8_groups(x)
     assert q.shape == (2, 130) and s.shape == (2, 2)
-    assert s[0, 1].item() == torch.tensor(2.0) / 448
+    assert s[0, 1].item() == (torch.tensor(2.0) * torch.tensor(1 / 448, dtype=torch.float32)).item()
     assert q.float()[0, 128:].tolist() == [224.0, -448.0]
     assert torch.allclose(dequantize_fp8_groups(q, s)[0, 128:], torch.tensor([1.0, -2.0]))
 
@@ -93,7 +93,7 @@ def test_block_scales_cover_128x128_tiles():
 
 def test_all_zero_group_is_zero_not_nan():
     q, s = quantize_fp8_groups(torch.zeros(3, 200))
-    assert s.eq(torch.tensor(1e-10) / 448).all()
+    assert s.eq(torch.tensor(1e-10) * torch.tensor(1 / 448, dtype=torch.float32)).all()
     assert q.float().eq(0).all()
     assert dequantize_fp8_groups(q, s).eq(0).all()
     qb, sb = quantize_fp8_blocks(torch.zeros(5, 7))
