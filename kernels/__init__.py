@@ -16,6 +16,7 @@ from jetrl_trainer.kernels import emulated as _emulated  # noqa: F401  (register
 from jetrl_trainer.kernels.gemm import (
     available_gemm_backends,
     fp8_gemm_nt,
+    forced_gemm_backend,
     register_gemm_backend,
     registered_gemm_backends,
     use_gemm_backend,
@@ -24,6 +25,7 @@ from jetrl_trainer.kernels.gemm import (
 __all__ = [
     "available_gemm_backends",
     "fp8_gemm_nt",
+    "forced_gemm_backend",
     "register_gemm_backend",
     "registered_gemm_backends",
     "use_gemm_backend",

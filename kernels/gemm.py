@@ -32,6 +32,7 @@ __all__ = [
     "GemmFn",
     "available_gemm_backends",
     "fp8_gemm_nt",
+    "forced_gemm_backend",
     "register_gemm_backend",
     "registered_gemm_backends",
     "use_gemm_backend",
@@ -106,6 +107,15 @@ def use_gemm_backend(name: str) -> Iterator[str]:
         yield name
     finally:
         _forced.name = previous
+
+
+def forced_gemm_backend() -> Union[str, None]:
+    """The backend forced by :func:`use_gemm_backend` in this thread, if any.
+
+    Autograd runs CUDA backward passes on its own thread, so an autograd Function records this in
+    its forward and passes it back explicitly to the GEMMs of its backward.
+    """
+    return getattr(_forced, "name", None)
 
 
 def _check_registered(name: str) -> None:

@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 import jetrl_trainer.kernels as kernels
+from jetrl_trainer.quant._handoff import take_prequantized
 from jetrl_trainer.quant.fp8 import dequantize_fp8_groups, quantize_fp8_blocks, quantize_fp8_groups
 
 __all__ = ["act_quant_fp8", "requant_transpose_fp8", "transpose_fp8_blocks", "weight_quant_fp8"]
@@ -32,12 +33,18 @@ def _kernel(name: str, x: torch.Tensor) -> Optional[Callable[..., Pair]]:
 
 
 def act_quant_fp8(x2d: torch.Tensor, scale_format: str = "fp32") -> Pair:
-    """``x [M, K]`` -> ``(q [M, K] fp8, s [M, ceil(K/128)] fp32)``, 1×128 groups along K."""
-    x2d = x2d.contiguous()
+    """``x [M, K]`` -> ``(q [M, K] fp8, s [M, ceil(K/128)] fp32)``, 1×128 groups along K.
+
+    A pair already offered by a fused producer (RMSNorm/SwiGLU + quant) is served as is. The Triton
+    kernel reads any strides (e.g. ``dY.t()`` for WGrad), so no transposed copy is made for it.
+    """
+    prequantized = take_prequantized(x2d, scale_format)
+    if prequantized is not None:
+        return prequantized
     fast = _kernel("act_quant_fp8", x2d)
     if fast is not None:
         return fast(x2d, scale_format=scale_format)
-    return quantize_fp8_groups(x2d, 128, scale_format=scale_format)
+    return quantize_fp8_groups(x2d.contiguous(), 128, scale_format=scale_format)
 
 
 def weight_quant_fp8(w: torch.Tensor, scale_format: str = "fp32") -> Pair:

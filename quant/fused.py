@@ -31,7 +31,6 @@ start with ``hit = take_prequantized(x2d, scale_format); if hit is not None: ret
 from __future__ import annotations
 
 import os
-import threading
 import weakref
 from typing import Optional
 
@@ -47,6 +46,7 @@ from jetrl_trainer.kernels import (
     swiglu_reference,
     triton_available,
 )
+from jetrl_trainer.quant._handoff import offer_prequantized, take_prequantized
 from jetrl_trainer.quant.linear import QuantLinear
 from jetrl_trainer.quant.phase import current_phase
 from jetrl_trainer.quant.recipe import FP8Recipe
@@ -54,38 +54,6 @@ from jetrl_trainer.quant.recipe import FP8Recipe
 __all__ = ["FusedRMSNorm", "FusedSwiGLUMLP", "fuse_norm_and_swiglu", "offer_prequantized", "take_prequantized"]
 
 Pair = tuple[torch.Tensor, torch.Tensor]
-_local = threading.local()
-
-
-# ---------------------------------------------------------------------------------------------
-# The hand-off: an activation's FP8 quantization, valid while the activation lives unchanged
-# ---------------------------------------------------------------------------------------------
-
-
-def _table() -> dict:
-    if not hasattr(_local, "table"):
-        _local.table = {}
-    return _local.table
-
-
-def offer_prequantized(y: torch.Tensor, q: torch.Tensor, s: torch.Tensor, scale_format: str) -> None:
-    """Record that ``(q, s)`` is the 1×128 FP8 quantization of ``y`` (as ``[-1, K]`` rows)."""
-    table, key = _table(), y.data_ptr()
-    # The entry dies with y: its storage can be reused only after y is gone.
-    ref = weakref.ref(y, lambda _r, key=key, table=table: table.pop(key, None))
-    table[key] = (ref, y._version, y.shape[-1], y.numel(), scale_format, (q, s))
-
-
-def take_prequantized(x2d: torch.Tensor, scale_format: str) -> Optional[Pair]:
-    """The pair offered for the activation ``x2d`` views, or None (then quantize as usual)."""
-    entry = _table().get(x2d.data_ptr()) if x2d.dim() == 2 and x2d.is_contiguous() else None
-    if entry is None:
-        return None
-    ref, version, k, numel, fmt, pair = entry
-    y = ref()
-    if y is None or y._version != version or fmt != scale_format or x2d.shape[1] != k or x2d.numel() != numel:
-        return None
-    return pair
 
 
 def _use_kernels(x: torch.Tensor) -> bool:

@@ -156,4 +156,7 @@ def test_every_cuda_backend_agrees_with_emulated():
     ref = kernels.fp8_gemm_nt(a, b, out_dtype=torch.float32, backend="emulated")
     for name in kernels.available_gemm_backends("cuda"):
         out = kernels.fp8_gemm_nt(a, b, out_dtype=torch.float32, backend=name)
-        torch.testing.assert_close(out, ref, rtol=1e-3, atol=1e-3, msg=f"backend {name}")
+        # Hopper's FP8 MMA accumulates inside a 128-group with reduced precision: measured 1.2-1.5e-4
+        # norm-wise relative to the exact FP64 group sums (docs/benchmarks.md), so bound the norm.
+        rel = ((out - ref).norm() / ref.norm()).item()
+        assert rel < 3e-4, f"backend {name}: relative error {rel:.2e}"
