@@ -82,9 +82,9 @@ def test_handoff_is_valid_only_for_the_same_unmodified_tensor():
     assert take_prequantized(x2d, "fp32") is None
     offer_prequantized(y, q, s, "fp32")
     del y, x2d  # the entry dies with the tensor (its storage may be reused)
-    from jetrl_trainer.quant import fused
+    from jetrl_trainer.quant import _handoff
 
-    assert not fused._table()
+    assert not _handoff._table()
 
 
 @pytest.mark.gpu
