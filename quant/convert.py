@@ -36,6 +36,7 @@ from typing import Optional, Union
 
 from torch import nn
 
+from jetrl_trainer.quant.fused import fuse_norm_and_swiglu, should_fuse, unfuse_norm_and_swiglu
 from jetrl_trainer.quant.linear import QuantLinear
 from jetrl_trainer.quant.recipe import RecipeLike, phase_recipes
 
@@ -58,6 +59,7 @@ def quantize_model(
     scale_format: str = "fp32",
     nvfp4_backward: str = "dequantized",
     module_filter_fn: Optional[ModuleFilter] = None,
+    fuse_norms: Optional[bool] = None,
 ) -> nn.Module:
     """Swap ``model``'s Linear layers for ``QuantLinear`` (in place) and return ``model``.
 
@@ -68,6 +70,10 @@ def quantize_model(
         scale_format: FP8 scale format for recipes given by name (``"fp32"`` or ``"ue8m0"``).
         nvfp4_backward: NVFP4 backward for recipes given by name (``"dequantized"``, ``"high_precision"``).
         module_filter_fn: ``(module, fqn) -> bool``; False keeps that Linear in BF16.
+        fuse_norms: swap Qwen3/Llama/LLaDA RMSNorms (and Qwen3/Llama SwiGLU MLPs) for versions that
+            hand their output's FP8 quantization to the next ``QuantLinear`` in the same kernel
+            (``quant/fused.py``). ``None`` (default) fuses only on CUDA with Triton and an FP8 phase;
+            elsewhere the modules stay as they are. Other architectures are left untouched.
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"quantize_model expects an nn.Module; got {type(model).__name__}.")
@@ -101,6 +107,8 @@ def quantize_model(
             converted += 1
         swapped[id(linear)] = new
         setattr(parent, attr, new)
+    if fuse_norms if fuse_norms is not None else should_fuse(recipes):
+        fuse_norm_and_swiglu(model)
     _log.info(
         "quantize_model: %d Linear layers -> QuantLinear(train=%s, rollout=%s); %d kept in BF16",
         converted, recipes["train"], recipes["rollout"], kept,
@@ -109,9 +117,11 @@ def quantize_model(
 
 
 def dequantize_model(model: nn.Module) -> nn.Module:
-    """Turn every ``QuantLinear`` back into a plain ``nn.Linear`` with the same Parameters (in place)."""
+    """Turn every ``QuantLinear`` back into a plain ``nn.Linear`` and every fused norm/MLP back into
+    the original module, with the same Parameters (in place)."""
     if not isinstance(model, nn.Module):
         raise ValueError(f"dequantize_model expects an nn.Module; got {type(model).__name__}.")
+    unfuse_norm_and_swiglu(model)
     swapped: dict[int, nn.Module] = {}
     for parent, attr, linear, _ in list(_linear_slots(model)):
         if isinstance(linear, QuantLinear):

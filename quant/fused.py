@@ -51,7 +51,15 @@ from jetrl_trainer.quant.linear import QuantLinear
 from jetrl_trainer.quant.phase import current_phase
 from jetrl_trainer.quant.recipe import FP8Recipe
 
-__all__ = ["FusedRMSNorm", "FusedSwiGLUMLP", "fuse_norm_and_swiglu", "offer_prequantized", "take_prequantized"]
+__all__ = [
+    "FusedRMSNorm",
+    "FusedSwiGLUMLP",
+    "fuse_norm_and_swiglu",
+    "offer_prequantized",
+    "should_fuse",
+    "take_prequantized",
+    "unfuse_norm_and_swiglu",
+]
 
 Pair = tuple[torch.Tensor, torch.Tensor]
 
@@ -98,6 +106,7 @@ class FusedRMSNorm(nn.Module):
         super().__init__()
         self.weight = weight
         self.variance_epsilon = eps
+        self._unfused: Optional[nn.Module] = None  # the module replaced (set by the swap; not a sub-module)
         # Not a sub-module (it belongs to the attention/MLP); a weak link avoids a reference cycle.
         self._consumer = weakref.ref(consumer) if consumer is not None else (lambda: None)
 
@@ -144,6 +153,7 @@ class FusedSwiGLUMLP(nn.Module):
     def __init__(self, gate_proj: nn.Module, up_proj: nn.Module, down_proj: nn.Module) -> None:
         super().__init__()
         self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
+        self._unfused: Optional[nn.Module] = None  # the module replaced (set by the swap; not a sub-module)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_proj(x), self.up_proj(x)
@@ -207,8 +217,29 @@ def fuse_norm_and_swiglu(model: nn.Module) -> nn.Module:
             norm = getattr(parent, norm_name, None)
             eps = _is_plain_rmsnorm(norm) if norm is not None and not isinstance(norm, FusedRMSNorm) else None
             if eps is not None:
-                setattr(parent, norm_name, FusedRMSNorm(norm.weight, eps, _get(parent, consumer_path)))
+                fused = FusedRMSNorm(norm.weight, eps, _get(parent, consumer_path))
+                object.__setattr__(fused, "_unfused", norm)
+                setattr(parent, norm_name, fused)
         mlp = getattr(parent, "mlp", None)
         if mlp is not None and not isinstance(mlp, FusedSwiGLUMLP) and _is_swiglu_mlp(mlp):
-            parent.mlp = FusedSwiGLUMLP(mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+            fused = FusedSwiGLUMLP(mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+            object.__setattr__(fused, "_unfused", mlp)
+            parent.mlp = fused
     return model
+
+
+def unfuse_norm_and_swiglu(model: nn.Module) -> nn.Module:
+    """Undo :func:`fuse_norm_and_swiglu` in place: put back the original modules (same Parameters)."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, (FusedRMSNorm, FusedSwiGLUMLP)) and child._unfused is not None:
+                original = child._unfused
+                if isinstance(child, FusedSwiGLUMLP):  # the projections may have been swapped since
+                    original.gate_proj, original.up_proj, original.down_proj = child.gate_proj, child.up_proj, child.down_proj
+                setattr(parent, name, original)
+    return model
+
+
+def should_fuse(recipes: dict) -> bool:
+    """Fuse by default only where it pays and is exact: CUDA with Triton, and an FP8 phase."""
+    return torch.cuda.is_available() and triton_available() and any(isinstance(r, FP8Recipe) for r in recipes.values())

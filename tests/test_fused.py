@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from jetrl_trainer.kernels import triton_available
-from jetrl_trainer.quant import quantize_fp8_groups, quantize_model
+from jetrl_trainer.quant import QuantLinear, dequantize_model, quantize_fp8_groups, quantize_model
 from jetrl_trainer.quant.fused import (
     FusedRMSNorm,
     FusedSwiGLUMLP,
@@ -133,3 +133,29 @@ def test_fused_swiglu_backward_is_autograds_bit_for_bit():
     (F.silu(gate) * up).backward(dh)
     assert torch.equal(h, F.silu(gate) * up)
     assert torch.equal(got[0], gate.grad) and torch.equal(got[1], up.grad)
+
+
+def test_quantize_model_fuses_on_request_and_dequantize_model_undoes_it():
+    torch.manual_seed(0)
+    original = _qwen3()
+    ids = torch.randint(0, original.config.vocab_size, (2, 16))
+    with torch.no_grad():
+        before = original(ids).logits.clone()
+    norm_type = type(original.model.layers[0].input_layernorm)
+    model = quantize_model(original, fuse_norms=True)
+    layer = model.model.layers[0]
+    assert isinstance(layer.input_layernorm, FusedRMSNorm) and isinstance(layer.mlp, FusedSwiGLUMLP)
+    dequantize_model(model)
+    layer = model.model.layers[0]
+    assert type(layer.input_layernorm) is norm_type and not isinstance(layer.mlp, FusedSwiGLUMLP)
+    assert isinstance(layer.mlp.gate_proj, torch.nn.Linear) and not isinstance(layer.mlp.gate_proj, QuantLinear)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, before)  # bit-identical: same modules, same Parameters
+
+
+def test_quantize_model_fuses_by_default_only_on_cuda_with_triton():
+    model = quantize_model(_qwen3())
+    fused = isinstance(model.model.layers[0].input_layernorm, FusedRMSNorm)
+    assert fused == (torch.cuda.is_available() and triton_available())
+    bf16_only = quantize_model(_qwen3(), train="bf16", rollout="bf16")
+    assert not isinstance(bf16_only.model.layers[0].input_layernorm, FusedRMSNorm)
