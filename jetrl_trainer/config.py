@@ -93,6 +93,21 @@ class JetGRPOConfig(GRPOConfig):
         nvfp4_backward (`str`, *optional*, defaults to `"dequantized"`):
             NVFP4 backward: `"dequantized"` (gradient of the quantized op actually run) or
             `"high_precision"` (BF16 operands).
+        diffusion_steps (`int`, *optional*):
+            Diffusion LMs (LLaDA) only: denoising steps per completion, a multiple of the number of
+            blocks. `None` = `max_completion_length // 2` (two tokens per step, as d1).
+        diffusion_block_length (`int`, *optional*):
+            Diffusion LMs only: tokens per semi-autoregressive block; must divide
+            `max_completion_length`. `None` = 32 when it divides `max_completion_length`, else one block.
+        diffusion_remasking (`str`, *optional*, defaults to `"low_confidence"`):
+            Diffusion LMs only: which proposals a denoising step keeps, `"low_confidence"` or `"random"`.
+        p_mask_prompt (`float`, *optional*, defaults to `0.3`):
+            Diffusion LMs only: probability of masking each prompt token in the one-step likelihood
+            estimate. The mask changes with every inner iteration (`num_iterations`) and is shared by
+            the old, rollout and current log-probs of that iteration.
+        likelihood_estimator (`str`, *optional*, defaults to `"mean_field"`):
+            Diffusion LMs only: the registered per-token likelihood estimator
+            (`jetrl_trainer.diffusion.register_estimator`).
 
     > [!NOTE]
     > `bf16` / `fp16` (inherited from `TrainingArguments`) switch the Trainer's autocast mixed
