@@ -19,6 +19,12 @@ cache key combines ``param._version``, ``data_ptr`` and a global generation bump
 ``torch.optim`` step (fused optimizers update parameters without bumping ``_version``). Code that
 mutates ``param.data`` directly (e.g. merging LoRA weights) should call
 :func:`invalidate_weight_caches`.
+
+Under DeepSpeed ZeRO-3 (a weight with ``ds_id``) the key is the step generation and ``ds_id`` only:
+every forward sees a freshly all-gathered ``.data`` (new storage, no ``_version`` bump) and the
+partitions change only in the optimizer step, whose ``torch.optim`` step bumps the generation. So a
+gathered weight is quantized once per optimizer step, at the price of keeping every layer's
+quantized weight (FP8: about half the BF16 bytes, unsharded) on each rank between forwards.
 """
 
 from __future__ import annotations
@@ -271,6 +277,9 @@ class QuantLinear(nn.Linear):
 
     def _state_key(self) -> Optional[tuple]:
         w = self.weight
+        ds_id = getattr(w, "ds_id", None)
+        if ds_id is not None:  # ZeRO-3: storage and data_ptr change at every gather; values only per step
+            return (_generation, "zero3", ds_id, w.dtype, w.device, tuple(getattr(w, "ds_shape", w.shape)))
         try:
             version = w._version
         except RuntimeError:  # an inference tensor has no version counter: never cache it
@@ -285,6 +294,14 @@ class QuantLinear(nn.Linear):
 
     def quantized_weight(self, recipe: Recipe) -> tuple[torch.Tensor, ...]:
         """The quantized weight for ``recipe`` (FP8: ``(q, s_inv)``; NVFP4: ``(data, block_scale, outer)``)."""
+        shape = tuple(self.weight.shape)
+        if shape != (self.out_features, self.in_features):
+            # A ZeRO-3 shard outside its gather is a 0-size tensor: never quantize (or serve) that.
+            raise ValueError(
+                f"QuantLinear weight has shape {shape}, expected {(self.out_features, self.in_features)}. Under "
+                "DeepSpeed ZeRO-3 run the forward inside the parameter gather (the engine's hooks or "
+                "deepspeed.zero.GatheredParameters), never on the local shard."
+            )
         qkey, state = _weight_quant_key(recipe), self._state_key()
         hit = self._weight_cache.get(qkey)
         if state is not None and hit is not None and hit[0] == state:
