@@ -24,6 +24,7 @@ __all__ = ["JetGRPOConfig", "PRECISIONS", "CORRECTOR_PARAMS"]
 PRECISIONS: tuple[str, ...] = ("bf16", "fp8", "nvfp4")
 _SCALE_FORMATS = ("fp32", "ue8m0")
 _NVFP4_BACKWARDS = ("dequantized", "high_precision")
+_REMASKINGS = ("low_confidence", "random")  # jetrl_trainer.diffusion.sampler.REMASKING
 
 # Which config field feeds which parameter of which built-in corrector (get_corrector keywords).
 _FIELD_TO_PARAM = {
@@ -203,6 +204,38 @@ class JetGRPOConfig(GRPOConfig):
             "'high_precision' (BF16 operands).",
             "choices": list(_NVFP4_BACKWARDS),
         },
+    )
+    diffusion_steps: int | None = field(
+        default=None,
+        metadata={
+            "help": "Diffusion LMs (LLaDA) only: denoising steps per completion, a multiple of the number of blocks. "
+            "None = max_completion_length // 2."
+        },
+    )
+    diffusion_block_length: int | None = field(
+        default=None,
+        metadata={
+            "help": "Diffusion LMs only: tokens per semi-autoregressive block, dividing max_completion_length. "
+            "None = 32 when it divides max_completion_length, else one block."
+        },
+    )
+    diffusion_remasking: str = field(
+        default="low_confidence",
+        metadata={
+            "help": "Diffusion LMs only: which proposals a denoising step keeps: 'low_confidence' or 'random'.",
+            "choices": list(_REMASKINGS),
+        },
+    )
+    p_mask_prompt: float = field(
+        default=0.3,
+        metadata={
+            "help": "Diffusion LMs only: probability of masking each prompt token in the one-step likelihood "
+            "estimate; one mask per inner iteration, shared by the old, rollout and current log-probs."
+        },
+    )
+    likelihood_estimator: str = field(
+        default="mean_field",
+        metadata={"help": "Diffusion LMs only: registered per-token likelihood estimator (default 'mean_field')."},
     )
 
     def __post_init__(self) -> None:
