@@ -244,6 +244,7 @@ class JetGRPOConfig(GRPOConfig):
         self.rollout_precision = _check_choice("rollout_precision", self.rollout_precision, PRECISIONS)
         self.fp8_scale_format = _check_choice("fp8_scale_format", self.fp8_scale_format, _SCALE_FORMATS)
         self.nvfp4_backward = _check_choice("nvfp4_backward", self.nvfp4_backward, _NVFP4_BACKWARDS)
+        self._check_diffusion()
         if isinstance(self.keep_bf16_modules, str):  # one pattern from a YAML scalar / CLI string
             self.keep_bf16_modules = [self.keep_bf16_modules]
         if isinstance(self.keep_last_n_layers_bf16, bool) or not isinstance(self.keep_last_n_layers_bf16, int):
@@ -324,6 +325,30 @@ class JetGRPOConfig(GRPOConfig):
             get_corrector(self.corrector, **self.corrector_params())
         except ValueError as err:
             raise ValueError(f"Invalid corrector settings for corrector={self.corrector!r}: {err}") from err
+
+    # ------------------------------------------------------------------ diffusion LMs
+
+    def _check_diffusion(self) -> None:
+        """Range checks of the diffusion fields; defaults (None) are resolved by the trainer."""
+        self.diffusion_remasking = _check_choice("diffusion_remasking", self.diffusion_remasking, _REMASKINGS)
+        for name in ("diffusion_steps", "diffusion_block_length"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer, or None for the default; got {value!r}.")
+        if not 0.0 <= self.p_mask_prompt <= 1.0:
+            raise ValueError(f"p_mask_prompt must be in [0, 1] (d1 uses 0.3); got {self.p_mask_prompt!r}.")
+        if not isinstance(self.likelihood_estimator, str) or not self.likelihood_estimator:
+            raise ValueError(f"likelihood_estimator must be a registered name such as 'mean_field'; got "
+                             f"{self.likelihood_estimator!r}.")
+        gen_length, block = self.max_completion_length, self.diffusion_block_length
+        if block is not None and gen_length is not None and gen_length % block:
+            raise ValueError(f"diffusion_block_length={block} must divide max_completion_length={gen_length}; "
+                             f"e.g. diffusion_block_length={gen_length} (one block).")
+        if block is not None and gen_length is not None and self.diffusion_steps is not None:
+            blocks = gen_length // block
+            if self.diffusion_steps % blocks:
+                raise ValueError(f"diffusion_steps={self.diffusion_steps} must be a multiple of the number of blocks "
+                                 f"max_completion_length / diffusion_block_length = {blocks}.")
 
 
 def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
