@@ -77,6 +77,18 @@ class JetGRPOTrainer(GRPOTrainer):
     _tag_names = ["trl", "grpo", "jetrl"]
     _name = "JetRL GRPO"
 
+    def __new__(cls, model: Any = None, reward_funcs: Any = None, args: Any = None, **kwargs: Any):
+        # A masked-diffusion LM (LLaDA) gets DiffusionGRPOMixin in front: diffusion rollouts and
+        # estimated log-probs; everything else stays this class's (jetrl_trainer/diffusion/grpo.py).
+        from jetrl_trainer.diffusion.grpo import (
+            diffusion_trainer_class,
+            is_diffusion_source,
+        )
+
+        if is_diffusion_source(model, args):
+            cls = diffusion_trainer_class(cls)
+        return super().__new__(cls)
+
     def __init__(self, model: Any, reward_funcs: Any = None, args: JetGRPOConfig | None = None, **kwargs: Any):
         if args is None:
             name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "") or "model"
@@ -88,7 +100,8 @@ class JetGRPOTrainer(GRPOTrainer):
         super().__init__(model, reward_funcs, args=args, **kwargs)
         if self._is_vlm:
             raise ValueError("JetGRPOTrainer supports text-only models; multimodal processors are not supported.")
-        self.corrector = get_corrector(args.corrector, **(args.corrector_params() if isinstance(args.corrector, str) else {}))
+        params = args.corrector_params() if isinstance(args.corrector, str) else {}
+        self.corrector = get_corrector(args.corrector, **params)
         self._quantize_models()
         self._guard = NonFiniteGuard(lambda flag: any_across_processes(flag, self.accelerator.device))
         self._jet_sums: dict[str, dict[str, Tensor] | None] = {"train": None, "eval": None}
@@ -141,7 +154,7 @@ class JetGRPOTrainer(GRPOTrainer):
             torch.no_grad(),
             self._dist.summon_full_params(self.model_wrapped, recurse=False),
         ):
-            if cb:
+            if cb:  # unlike TRL's CB branch, the model is not cast to the autocast dtype: recipes decide
                 return generate_batch_with_logprobs(
                     unwrapped_model, prompt_ids, self.generation_config, self.continuous_batching_config
                 )
