@@ -133,6 +133,6 @@ def update_model_card(readme_path: str | os.PathLike, args: Any) -> None:
         tags.append(JETRL_TAG)
     card.data.tags = tags
     card.data.jetrl = jetrl_card_metadata(args)
-    text = re.sub(re.escape(_BEGIN) + r".*?" + re.escape(_END), "", card.text, flags=re.S).rstrip()
+    text = re.sub(re.escape(_BEGIN) + r".*?" + re.escape(_END), "", card.text, flags=re.DOTALL).rstrip()
     card.text = f"{text}\n\n{jetrl_card_section(args)}\n" if text else f"{jetrl_card_section(args)}\n"
     card.save(readme_path)

@@ -60,11 +60,14 @@ def generate_batch_with_logprobs(
     """Sample one completion per prompt with ``model.generate_batch``; ids and sampling log-probs.
 
     ``continuous_batching_config`` (a ``transformers.generation.ContinuousBatchingConfig``) is
-    copied with ``return_logprobs=True``. Completions are returned as the engine produced them
-    (stopped at and including EOS, as TRL's branch does).
+    copied with ``return_logprobs=True`` and ``use_cuda_graph=False``: a captured graph would keep
+    replaying the FP8 weight copies of the capture step after the optimizer has updated the master
+    weights (the quantized-weight cache lives outside the graph). Completions are returned as the
+    engine produced them (stopped at and including EOS, as TRL's branch does).
     """
     cb_config = copy.copy(continuous_batching_config)
     cb_config.return_logprobs = True
+    cb_config.use_cuda_graph = False
     was_training = model.training
     try:
         with phase_around_forward(model, phase):
