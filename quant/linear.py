@@ -218,8 +218,8 @@ class QuantLinear(nn.Linear):
         """Wrap ``linear``'s own ``weight`` / ``bias`` Parameters (no copy, no re-initialisation)."""
         if not isinstance(linear, nn.Linear):
             raise ValueError(f"expected an nn.Linear; got {type(linear).__name__}.")
-        if linear.weight.dim() != 2:
-            shape = tuple(linear.weight.shape)
+        shape = tuple(getattr(linear.weight, "ds_shape", linear.weight.shape))  # a ZeRO-3 shard is 0-size
+        if len(shape) != 2:
             raise ValueError(f"Linear weight must be 2-D [out_features, in_features]; got shape {shape}.")
         self = cls.__new__(cls)
         nn.Module.__init__(self)

@@ -41,9 +41,7 @@ FP8_AIS, BF16_TIS = "fp8:fp8:ais", "bf16:fp8:tis"
 LAUNCHES: dict[str, tuple[str, tuple[str, ...], int, bool]] = {
     "ddp": ("accelerate_cpu_2proc.yaml", (FP8_AIS, BF16_TIS), 3, False),
     "zero2": ("accelerate_zero2.yaml", (FP8_AIS, BF16_TIS), 2, True),
-    # One strategy: a second model loaded in the same process is sharded by zero.Init, which
-    # QuantLinear.from_linear refuses today (test_from_linear_accepts_a_zero3_partitioned_linear).
-    "zero3": ("accelerate_zero3.yaml", (FP8_AIS,), 2, True),
+    "zero3": ("accelerate_zero3.yaml", (FP8_AIS, BF16_TIS), 2, True),
 }
 RUNS = [(launch, strategy) for launch, (_, strategies, _, _) in LAUNCHES.items() for strategy in strategies]
 N_QUANT_LINEAR = 2 * 7  # tiny Qwen3: 2 layers x (q, k, v, o, gate, up, down); lm_head stays nn.Linear
@@ -289,13 +287,6 @@ def test_zero3_shard_outside_its_gather_is_refused():
     assert layer.weight_quantizations == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=ValueError,
-    reason="QuantLinear.from_linear checks weight.dim() == 2 on the local 0-size ZeRO-3 shard instead of "
-    "ds_shape, so quantize_model refuses a model loaded under deepspeed.zero.Init (under ZeRO-3: a model id "
-    "loaded by TRL, any model loaded after the first trainer, the KL reference model when beta > 0).",
-)
 def test_from_linear_accepts_a_zero3_partitioned_linear():
     linear = nn.Linear(256, 192)
     full_shape = linear.weight.shape
