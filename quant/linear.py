@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from jetrl_trainer.kernels import fp8_gemm_nt
+from jetrl_trainer.kernels import fp8_gemm_nt, forced_gemm_backend
 from jetrl_trainer.quant._dispatch import act_quant_fp8, requant_transpose_fp8, transpose_fp8_blocks, weight_quant_fp8
 from jetrl_trainer.quant.nvfp4 import NVFP4Tensor, dequantize_nvfp4, quantize_nvfp4
 from jetrl_trainer.quant.phase import PHASES, current_phase
@@ -100,6 +100,7 @@ class _FP8LinearFunction(torch.autograd.Function):
             x_q if need_dw else None, x_s if need_dw else None, w_q if need_dx else None, w_s if need_dx else None
         )
         ctx.scale_format = scale_format
+        ctx.gemm_backend = forced_gemm_backend()  # autograd may run backward on another thread
         ctx.x_dtype, ctx.w_dtype = x2d.dtype, weight.dtype
         ctx.b_dtype = bias.dtype if bias is not None else None
         return y
@@ -115,12 +116,16 @@ class _FP8LinearFunction(torch.autograd.Function):
             # grad_input: dX [M, K] = dY_q [M, N] (1x128 along N) ⊗ W_qᵀ [K, N] (128x128 blocks)
             dy_q, dy_s = act_quant_fp8(dy, fmt)
             wt_q, wt_s = transpose_fp8_blocks(w_q, w_s)
-            dx = fp8_gemm_nt((dy_q, dy_s), (wt_q, wt_s), b_granularity="block", out_dtype=ctx.x_dtype)
+            dx = fp8_gemm_nt(
+                (dy_q, dy_s), (wt_q, wt_s), b_granularity="block", out_dtype=ctx.x_dtype, backend=ctx.gemm_backend
+            )
         if need_dw:
             # grad_weight: dW [N, K] = dYᵀ_q [N, M] (1x128 along M) ⊗ X_q'ᵀ [K, M] (1x128 along M)
             dyt_q, dyt_s = act_quant_fp8(dy.t(), fmt)
             xt_q, xt_s = requant_transpose_fp8(x_q, x_s, fmt)
-            dw = fp8_gemm_nt((dyt_q, dyt_s), (xt_q, xt_s), b_granularity="group", out_dtype=ctx.w_dtype)
+            dw = fp8_gemm_nt(
+                (dyt_q, dyt_s), (xt_q, xt_s), b_granularity="group", out_dtype=ctx.w_dtype, backend=ctx.gemm_backend
+            )
         if need_db:
             db = dy.sum(dim=0, dtype=torch.float32).to(ctx.b_dtype)
         return dx, dw, db, None, None, None, None

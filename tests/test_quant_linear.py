@@ -358,3 +358,29 @@ def test_deepcopy_drops_the_weight_cache():
     clone = copy.deepcopy(q)
     assert clone._weight_cache == {} and clone.weight is not q.weight
     assert torch.equal(clone(x), y) and q._weight_cache
+
+
+def test_forced_gemm_backend_also_drives_the_backward_gemms():
+    # Autograd may run backward on its own thread, where a thread-local forcing would be lost:
+    # the Function records the forced backend in forward and passes it to its backward GEMMs.
+    from jetrl_trainer import kernels
+    from jetrl_trainer.kernels import gemm
+
+    calls = []
+    emulated = gemm._backends["emulated"].fn
+
+    def spy(*args):
+        calls.append(args[4])  # b_granularity: "block" for fwd/dgrad, "group" for wgrad
+        return emulated(*args)
+
+    kernels.register_gemm_backend("spy", spy, is_available=True, priority=-1)
+    try:
+        layer = QuantLinear.from_linear(torch.nn.Linear(256, 128), {"train": "fp8", "rollout": "fp8"})
+        x = torch.randn(4, 256, requires_grad=True)
+        with kernels.use_gemm_backend("spy"):
+            y = layer(x)
+        y.sum().backward()  # outside the block: only the recorded name can route these to "spy"
+        assert calls == ["block", "block", "group"]
+    finally:
+        del gemm._backends["spy"]
+        gemm._availability_cache.clear()
