@@ -1,0 +1,309 @@
+"""JetGRPOTrainer on a tiny LLaDA: diffusion rollouts, estimated log-probs, one mask seed per inner
+iteration, every strategy, LoRA, KL, saving (jetrl_trainer/diffusion/grpo.py)."""
+
+from __future__ import annotations
+
+import json
+import types
+
+import pytest
+import torch
+from _trainer_utils import byte_reward, changed, prompts, snapshot, tokenizer, train
+from torch import nn
+
+from jetrl_trainer import JetGRPOConfig, JetGRPOTrainer
+from jetrl_trainer.correctors import MISMATCH_METRICS
+from jetrl_trainer.diffusion import build_tiny_llada, grpo, mean_field_logps, register_estimator
+from jetrl_trainer.diffusion.grpo import DiffusionGRPOMixin, DiffusionSampling, select_iteration
+from jetrl_trainer.quant import QuantLinear, current_phase
+
+GEN_LENGTH, STEPS = 8, 4
+FAST = dict(
+    per_device_train_batch_size=4, num_generations=4, max_completion_length=GEN_LENGTH, diffusion_steps=STEPS,
+    max_steps=1, logging_steps=1, learning_rate=1e-2, report_to="none", bf16=False, use_cpu=True,
+    gradient_checkpointing=False, save_strategy="no", disable_tqdm=True, seed=0,
+)  # fmt: skip
+LINEARS = 2 * 7  # tiny LLaDA: 2 blocks x (q, k, v, attn_out, ff_proj, up_proj, ff_out); the LM head stays nn.Linear
+AUTO_MAP = {  # the published config.json carries it (and TRL reads it when it loads a reference model by path)
+    "AutoConfig": "configuration_llada.LLaDAConfig",
+    "AutoModel": "modeling_llada.LLaDAModelLM",
+    "AutoModelForCausalLM": "modeling_llada.LLaDAModelLM",
+}
+
+
+def tiny_llada(seed: int = 0):
+    tok = tokenizer()
+    return build_tiny_llada(
+        vocab_size=len(tok), mask_token_id=tok.mask_token_id, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id, seed=seed,
+    )  # fmt: skip
+
+
+def make_trainer(tmp_path, model=None, trainer_kwargs=None, **overrides):
+    args = JetGRPOConfig(output_dir=str(tmp_path), **{**FAST, **overrides})
+    return JetGRPOTrainer(
+        tiny_llada() if model is None else model, byte_reward, args=args, train_dataset=prompts(),
+        processing_class=tokenizer(), **(trainer_kwargs or {}),
+    )  # fmt: skip
+
+
+def save_published_layout(path) -> str:
+    """A tiny checkpoint as the Hub has LLaDA: config keys, weight names and the remote-code auto_map."""
+    tiny_llada().save_pretrained(path)
+    tokenizer().save_pretrained(path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "auto_map": AUTO_MAP}))
+    return str(path)
+
+
+# ------------------------------------------------------------------ every strategy, one step each
+
+STRATEGIES = {
+    ("bf16", "bf16", "none"): (),
+    ("bf16", "fp8", "ais"): ("corrector/alpha", "corrector/alpha_ess", "corrector/alpha_mis", "corrector/alpha_var"),
+    ("fp8", "fp8", "none"): (),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    cache = {}
+
+    def get(strategy):
+        if strategy not in cache:
+            tp, rp, corrector = strategy
+            trainer = make_trainer(
+                tmp_path_factory.mktemp("run"), train_precision=tp, rollout_precision=rp, corrector=corrector
+            )
+            before = snapshot(trainer.model)
+            logs, counts = train(trainer)
+            cache[strategy] = dict(trainer=trainer, logs=logs, counts=counts, changed=changed(trainer.model, before))
+        return cache[strategy]
+
+    return get
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES), ids=lambda s: "-".join(s))
+def test_strategy_trains_and_logs(runs, strategy):
+    run = runs(strategy)
+    trainer = run["trainer"]
+    assert isinstance(trainer, DiffusionGRPOMixin) and isinstance(trainer, JetGRPOTrainer)
+    assert sorted(run["changed"]) == sorted(n for n, _ in trainer.model.named_parameters())
+    logs = run["logs"]
+    expected = (*MISMATCH_METRICS, "corrector/weight_mean", "corrector/weight_min", "corrector/weight_max")
+    for key in (*expected, *STRATEGIES[strategy], "jetrl/skipped_steps", "reward", "loss", "entropy"):
+        assert key in logs, key
+    assert logs["jetrl/skipped_steps"] == 0 and logs["mismatch/nonfinite_tokens"] == 0
+    assert 0 < logs["entropy"] <= torch.log(torch.tensor(float(len(tokenizer())))).item() + 1e-4
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES), ids=lambda s: "-".join(s))
+def test_each_phase_runs_in_its_precision(runs, strategy):
+    tp, rp, _ = strategy
+    counts = runs(strategy)["counts"]
+    assert set(counts) == {("rollout", rp), ("train", tp)}
+    # Rollout: one forward per denoising step, plus the rollout-precision log-prob estimate.
+    assert counts[("rollout", rp)] == (STEPS + 1) * LINEARS
+    # Train: the old log-prob estimate, plus the loss forward.
+    assert counts[("train", tp)] == 2 * LINEARS
+
+
+def test_unified_flow_has_no_mismatch_and_the_baseline_does(runs):
+    """Rollout and old log-probs score the same masked input; only the precision can tell them apart."""
+    floor = runs(("bf16", "bf16", "none"))["logs"]
+    unified = runs(("fp8", "fp8", "none"))["logs"]
+    baseline = runs(("bf16", "fp8", "ais"))["logs"]
+    assert floor["mismatch/logp_abs_diff_max"] == 0.0  # same mask, same arithmetic: bit for bit
+    assert unified["mismatch/logp_abs_diff_max"] == 0.0  # same FP8 modules in both phases
+    assert baseline["mismatch/logp_abs_diff_mean"] > 1e-3
+    assert baseline["mismatch/kl_k3"] > 0 and baseline["mismatch/ess_ratio"] < 1
+    assert 0.0 <= baseline["corrector/alpha"] <= 1.0
+    assert baseline["corrector/weight_min"] < 1.0 < baseline["corrector/weight_max"]
+
+
+def test_saved_checkpoint_reloads_as_plain_llada(runs, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    trainer = runs(("fp8", "fp8", "none"))["trainer"]
+    trainer.save_model(str(tmp_path))
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    assert type(reloaded).__name__ == "LLaDAModelLM"
+    assert not any(isinstance(m, QuantLinear) for m in reloaded.modules())
+    trained = dict(trainer.model.named_parameters())
+    for name, param in reloaded.named_parameters():
+        assert torch.equal(param, trained[name].detach()), name
+
+
+# ------------------------------------------------------------------ mask seeds per inner iteration
+
+RECORD: list[dict] = []
+
+
+@register_estimator("recording_mean_field")
+def recording_mean_field(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *, mask_seed, **kw):
+    logps = mean_field_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, mask_seed=mask_seed, **kw)
+    for r in range(prompt_ids.shape[0]):
+        key = (tuple(prompt_ids[r][prompt_mask[r].bool()].tolist()), tuple(completion_ids[r].tolist()))
+        RECORD.append(dict(
+            phase=current_phase(), grad=torch.is_grad_enabled(), key=key, seed=int(mask_seed[r]),
+            width=completion_ids.shape[1], logps=logps[r].detach().clone(),
+        ))  # fmt: skip
+    return logps
+
+
+def test_one_mask_seed_per_iteration_shared_by_old_rollout_and_current(tmp_path):
+    """num_iterations=2 over one generation batch, learning rate 0: at iteration i the loss must score
+    each row with the seed (hence the mask) its old and rollout log-probs of iteration i used."""
+    RECORD.clear()
+    trainer = make_trainer(
+        tmp_path, train_precision="bf16", rollout_precision="bf16", corrector="tis", num_iterations=2, max_steps=2,
+        learning_rate=0.0, likelihood_estimator="recording_mean_field", p_mask_prompt=0.5,
+    )  # fmt: skip
+    train(trainer)
+    old = [c for c in RECORD if c["phase"] == "train" and not c["grad"]]
+    rollout = [c for c in RECORD if c["phase"] == "rollout"]
+    current = [c for c in RECORD if c["grad"]]
+    assert len(old) == len(rollout) == 2 * 4 and len(current) == 2 * 4  # 4 rows x 2 iterations
+    seeds = grpo.mask_seeds_for_step(0, 0, 2)
+    assert seeds[0] != seeds[1]
+    for calls in (old, rollout):
+        assert [c["seed"] for c in calls] == [seeds[0]] * 4 + [seeds[1]] * 4
+    assert [c["seed"] for c in current] == [seeds[0]] * 4 + [seeds[1]] * 4  # iteration 0, then 1
+    old_by = {(c["key"], c["seed"]): c["logps"] for c in old}
+    for c in current + rollout:
+        assert torch.allclose(c["logps"], old_by[(c["key"], c["seed"])], atol=1e-6, rtol=0)
+    # ...and the check can fail: the two iterations' masks give clearly different log-probs.
+    gap = max((old_by[(k, seeds[0])] - old_by[(k, seeds[1])]).abs().max().item() for k, _ in old_by)
+    assert gap > 1e-3
+
+
+def test_per_iteration_tensors_are_batch_first_and_completions_stop_at_eos(tmp_path, monkeypatch):
+    """Completions are cut after the first EOS, yet the estimator still sees the whole canvas."""
+    eos, pad = tokenizer().eos_token_id, tokenizer().pad_token_id
+    eos_at = {0: 0, 1: 2, 3: 4}  # row -> position of its first EOS; row 2 has none
+    ends = [1, 3, GEN_LENGTH, 5]  # hence the completion lengths, EOS included
+
+    def fake_generate(model, prompt_ids, attention_mask, *, gen_length, **kwargs):
+        canvas = torch.full((prompt_ids.shape[0], gen_length), ord("a") + 8)  # a byte symbol, not special
+        for row, position in eos_at.items():
+            canvas[row, position:] = eos  # LLaDA fills the rest of the canvas with EOS
+        return torch.cat([prompt_ids, canvas], dim=1)
+
+    monkeypatch.setattr(grpo, "generate", fake_generate)
+    RECORD.clear()
+    trainer = make_trainer(
+        tmp_path, train_precision="bf16", rollout_precision="fp8", corrector="mis", num_iterations=3,
+        likelihood_estimator="recording_mean_field",
+    )  # fmt: skip
+    trainer.model.train()
+    batch = trainer._generate_and_score_completions([prompts(1)[0]] * 4)
+    T = max(ends)
+    assert batch["completion_mask"].tolist() == [[1] * n + [0] * (T - n) for n in ends]
+    assert batch["completion_ids"][0, 1:].eq(pad).all()
+    for key in ("old_per_token_logps", "sampling_per_token_logps", "importance_sampling_ratio"):
+        assert batch[key].shape == (4, 3, T), key
+    assert batch["mask_seeds"].shape == (4, 3) and batch["mask_seeds"].dtype == torch.int64
+    assert batch["mask_seeds"].eq(batch["mask_seeds"][:1]).all()  # one seed per iteration, for every row
+    assert batch["mask_seeds"][0].unique().numel() == 3
+    assert {c["width"] for c in RECORD} == {GEN_LENGTH}  # the sampler's full canvas, whatever T is
+    one = select_iteration(batch, 1)
+    assert one["old_per_token_logps"].shape == (4, T) and one["mask_seeds"].shape == (4,)
+    assert torch.equal(one["sampling_per_token_logps"], batch["sampling_per_token_logps"][:, 1])
+    assert one["completion_ids"] is batch["completion_ids"] and batch["mask_seeds"].shape == (4, 3)
+
+
+# ------------------------------------------------------------------ KL, LoRA, loss types
+
+
+def test_kl_to_a_reference_loaded_from_a_published_layout_checkpoint(tmp_path):
+    path = save_published_layout(tmp_path / "tiny")
+    trainer = JetGRPOTrainer(
+        path, byte_reward, processing_class=tokenizer(), train_dataset=prompts(),
+        args=JetGRPOConfig(output_dir=str(tmp_path / "out"), **{**FAST, "max_steps": 2}, beta=0.1,
+                           train_precision="bf16", rollout_precision="fp8", corrector="tis",
+                           model_init_kwargs={"dtype": "float32"}),
+    )  # fmt: skip
+    assert isinstance(trainer, DiffusionGRPOMixin) and trainer.ref_model is not None
+    logs, counts = train(trainer)
+    later = [log for log in trainer.state.log_history if "loss" in log][1]
+    assert logs["kl"] == 0.0  # the reference is the policy before the first update, in the train precision
+    assert later["kl"] > 0.0
+    assert counts[("train", "bf16")] == 2 * 3 * LINEARS  # per step: old, reference, loss
+
+
+def test_lora_trains_adapters_and_never_the_lm_head(tmp_path):
+    from peft import LoraConfig
+
+    config = LoraConfig(r=4, lora_alpha=8, target_modules="all_linear", task_type="CAUSAL_LM")
+    trainer = make_trainer(
+        tmp_path, trainer_kwargs={"peft_config": config}, train_precision="fp8", rollout_precision="fp8", beta=0.1,
+        max_steps=2,
+    )  # fmt: skip
+    base = trainer.model.get_base_model()
+    head = base.model.transformer.ff_out
+    assert type(head) is nn.Linear  # no adapter, not quantized
+    adapted = [n for n, m in base.named_modules() if hasattr(m, "lora_A")]
+    assert len(adapted) == LINEARS and all(".blocks." in n for n in adapted)
+    assert all(isinstance(m.base_layer, QuantLinear) for n, m in base.named_modules() if hasattr(m, "lora_A"))
+    before = snapshot(trainer.model)
+    logs, counts = train(trainer)
+    moved = changed(trainer.model, before)
+    assert moved and all("lora_" in n for n in moved) and any("lora_B" in n for n in moved)
+    assert logs["kl"] == 0.0  # reference = adapters disabled = the policy before its first update
+    assert "mismatch/logp_abs_diff_mean" in logs and logs["jetrl/skipped_steps"] == 0
+    assert set(counts) == {("rollout", "fp8"), ("train", "fp8")}
+
+
+def test_lora_targets_that_would_catch_the_lm_head_are_refused(tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    naive = LoraConfig(r=4, target_modules=["q_proj", "ff_out"], task_type="CAUSAL_LM")
+    with pytest.raises(ValueError, match="LM head 'model.transformer.ff_out'"):
+        make_trainer(tmp_path, trainer_kwargs={"peft_config": naive})
+    wrapped = get_peft_model(tiny_llada(), naive)  # already adapted: TRL's own check refuses it
+    with pytest.raises(ValueError, match="lm_head"):
+        make_trainer(tmp_path, wrapped)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"])
+def test_every_loss_type_runs_with_a_corrector(tmp_path, loss_type):
+    trainer = make_trainer(
+        tmp_path, train_precision="bf16", rollout_precision="fp8", corrector="ais", loss_type=loss_type,
+        max_completion_length=4, diffusion_steps=2,
+    )  # fmt: skip
+    before = snapshot(trainer.model)
+    logs, _ = train(trainer)
+    assert torch.isfinite(torch.tensor(logs["loss"])) and changed(trainer.model, before)
+    assert "corrector/alpha" in logs and logs["jetrl/skipped_steps"] == 0
+
+
+# ------------------------------------------------------------------ settings and errors
+
+
+def _args(**overrides):
+    base = dict(max_completion_length=256, diffusion_block_length=None, diffusion_steps=None, temperature=1.0,
+                diffusion_remasking="low_confidence")  # fmt: skip
+    return types.SimpleNamespace(**{**base, **overrides})
+
+
+def test_sampler_defaults_follow_llada():
+    assert DiffusionSampling.from_args(_args()) == DiffusionSampling(128, 256, 32, 1.0)  # d1's setting
+    assert DiffusionSampling.from_args(_args(max_completion_length=8)) == DiffusionSampling(4, 8, 8, 1.0)
+    assert DiffusionSampling.from_args(_args(max_completion_length=48)).block_length == 48  # 32 does not divide
+    assert DiffusionSampling.from_args(_args(max_completion_length=64, diffusion_block_length=16)).steps == 32
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        DiffusionSampling.from_args(_args(temperature=0.0))
+    with pytest.raises(ValueError, match="multiple of the number of blocks"):
+        DiffusionSampling.from_args(_args(diffusion_steps=100))
+
+
+def test_unknown_estimator_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="Unknown likelihood estimator 'elbo_42'"):
+        make_trainer(tmp_path, likelihood_estimator="elbo_42")
+
+
+def test_autoregressive_models_keep_the_plain_trainer(tmp_path):
+    from _trainer_utils import tiny_model
+
+    trainer = make_trainer(tmp_path, tiny_model())
+    assert type(trainer) is JetGRPOTrainer
