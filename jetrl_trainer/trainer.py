@@ -72,6 +72,10 @@ class JetGRPOTrainer(GRPOTrainer):
     ``_train_logps``.
 
     Not supported: vLLM (refused by the config), multimodal prompts.
+
+    A LLaDA (masked-diffusion) model, or a checkpoint id of one, makes ``__new__`` return a subclass
+    with `DiffusionGRPOMixin` in front (diffusion rollouts and estimated log-probs; see
+    ``jetrl_trainer/diffusion/grpo.py`` and docs/llada.md).
     """
 
     _tag_names = ["trl", "grpo", "jetrl"]
