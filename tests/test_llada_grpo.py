@@ -152,23 +152,25 @@ def recording_mean_field(model, prompt_ids, prompt_mask, completion_ids, complet
 
 
 def test_one_mask_seed_per_iteration_shared_by_old_rollout_and_current(tmp_path):
-    """num_iterations=2 over one generation batch, learning rate 0: at iteration i the loss must score
-    each row with the seed (hence the mask) its old and rollout log-probs of iteration i used."""
+    """num_iterations=2 over one generation batch of 8 rows, trained as 2 shuffled micro-batches of 4,
+    learning rate 0: at iteration i the loss must score each row with the seed (hence the mask) its
+    old and rollout log-probs of iteration i used."""
     RECORD.clear()
     trainer = make_trainer(
         tmp_path, train_precision="bf16", rollout_precision="bf16", corrector="tis", num_iterations=2, max_steps=2,
-        learning_rate=0.0, likelihood_estimator="recording_mean_field", p_mask_prompt=0.5,
+        gradient_accumulation_steps=2, learning_rate=0.0, likelihood_estimator="recording_mean_field",
+        p_mask_prompt=0.5,
     )  # fmt: skip
     train(trainer)
     old = [c for c in RECORD if c["phase"] == "train" and not c["grad"]]
     rollout = [c for c in RECORD if c["phase"] == "rollout"]
     current = [c for c in RECORD if c["grad"]]
-    assert len(old) == len(rollout) == 2 * 4 and len(current) == 2 * 4  # 4 rows x 2 iterations
+    assert len(old) == len(rollout) == len(current) == 2 * 8  # 2 iterations x 8 rows
     seeds = grpo.mask_seeds_for_step(0, 0, 2)
     assert seeds[0] != seeds[1]
-    for calls in (old, rollout):
-        assert [c["seed"] for c in calls] == [seeds[0]] * 4 + [seeds[1]] * 4
-    assert [c["seed"] for c in current] == [seeds[0]] * 4 + [seeds[1]] * 4  # iteration 0, then 1
+    for calls in (old, rollout, current):  # the loss: two micro-steps of iteration 0, then two of iteration 1
+        assert [c["seed"] for c in calls] == [seeds[0]] * 8 + [seeds[1]] * 8
+    assert {c["key"] for c in current[:8]} == {c["key"] for c in old[:8]}  # every row, once per iteration
     old_by = {(c["key"], c["seed"]): c["logps"] for c in old}
     for c in current + rollout:
         assert torch.allclose(c["logps"], old_by[(c["key"], c["seed"])], atol=1e-6, rtol=0)

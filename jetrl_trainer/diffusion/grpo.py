@@ -315,6 +315,12 @@ class DiffusionGRPOMixin:
         ensure_generation_config(model)
         if "peft_config" in kwargs:
             kwargs["peft_config"] = check_lora_targets(kwargs["peft_config"])
+        if kwargs.get("tools") or kwargs.get("environment_factory") is not None:
+            raise ValueError("tool calling and environments are not supported for diffusion LMs (multi-turn "
+                             "rollouts assume left-to-right generation); remove tools= / environment_factory=.")
+        if getattr(args, "use_transformers_continuous_batching", False):
+            raise ValueError("use_transformers_continuous_batching applies to autoregressive models only; LLaDA "
+                             "samples with jetrl_trainer.diffusion.generate. Set it to False.")
         super().__init__(model, reward_funcs, args=args, **kwargs)
         self.diffusion_sampling = DiffusionSampling.from_args(self.args)
         self._estimator = get_estimator(self.args.likelihood_estimator)
