@@ -309,3 +309,21 @@ def test_autoregressive_models_keep_the_plain_trainer(tmp_path):
 
     trainer = make_trainer(tmp_path, tiny_model())
     assert type(trainer) is JetGRPOTrainer
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(max_completion_length=8, diffusion_block_length=3), "must divide max_completion_length=8"),
+        (dict(max_completion_length=8, diffusion_block_length=4, diffusion_steps=3), "multiple of the number of blocks"),
+        (dict(diffusion_steps=0), "diffusion_steps must be a positive integer"),
+        (dict(diffusion_remasking="top_k"), "diffusion_remasking must be one of low_confidence, random"),
+        (dict(p_mask_prompt=1.5), r"p_mask_prompt must be in \[0, 1\]"),
+    ],
+)
+def test_config_validates_the_diffusion_fields(tmp_path, fields, message):
+    with pytest.raises(ValueError, match=message):
+        JetGRPOConfig(output_dir=str(tmp_path), bf16=False, use_cpu=True, **fields)
+    ok = JetGRPOConfig(output_dir=str(tmp_path), bf16=False, use_cpu=True, max_completion_length=64,
+                       diffusion_block_length=16, diffusion_steps=8, diffusion_remasking="RANDOM")  # fmt: skip
+    assert (ok.diffusion_block_length, ok.diffusion_steps, ok.diffusion_remasking) == (16, 8, "random")
