@@ -99,16 +99,18 @@ def preset_for(argv: list[str]) -> dict:
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config")
     pre.add_argument("--model_name_or_path")
-    pre.add_argument("--fast", nargs="?", const="true", default="false")
+    pre.add_argument("--fast", nargs="?", const="true", default=None)
     known, _ = pre.parse_known_args(argv)
-    model = known.model_name_or_path
-    if known.config and model is None:
+    from_yaml = {}
+    if known.config:
         import yaml
 
         with open(known.config) as f:
-            model = (yaml.safe_load(f) or {}).get("model_name_or_path")
+            from_yaml = yaml.safe_load(f) or {}
+    model = known.model_name_or_path or from_yaml.get("model_name_or_path")
+    fast = known.fast if known.fast is not None else str(from_yaml.get("fast", False))  # the flag wins
     preset = dict(REAL if model else TINY)
-    if known.fast.lower() in ("true", "1", "yes"):
+    if fast.lower() in ("true", "1", "yes"):
         preset.update(FAST)
         preset.pop("gradient_accumulation_steps", None)
         preset.update(num_iterations=1, warm_start_steps=FAST["warm_start_steps"] if not model else 0)

@@ -441,12 +441,13 @@ class DiffusionGRPOMixin:
         seeds, squeeze = self._seed_scope
         if not isinstance(seeds, Tensor):  # one seed per iteration, shared by every row of the batch
             seeds = torch.tensor(seeds, dtype=torch.int64, device=input_ids.device).expand(input_ids.shape[0], -1)
-        logps, entropies = diffusion_logps(
-            model, input_ids, attention_mask, logits_to_keep, seeds,
-            estimator=self._estimator, gen_length=self.diffusion_sampling.gen_length,
-            mask_token_id=self._mask_token_id, temperature=self.temperature, batch_size=batch_size,
-            compute_entropy=compute_entropy, entropy_grad=self._entropy_bonus_enabled, **self._estimator_options,
-        )  # fmt: skip
+        with self.accelerator.autocast():  # as TRL's own log-prob forward
+            logps, entropies = diffusion_logps(
+                model, input_ids, attention_mask, logits_to_keep, seeds,
+                estimator=self._estimator, gen_length=self.diffusion_sampling.gen_length,
+                mask_token_id=self._mask_token_id, temperature=self.temperature, batch_size=batch_size,
+                compute_entropy=compute_entropy, entropy_grad=self._entropy_bonus_enabled, **self._estimator_options,
+            )  # fmt: skip
         if squeeze:
             logps = logps[:, 0]
             entropies = None if entropies is None else entropies[:, 0]
