@@ -238,9 +238,10 @@ def main(script: LLaDAScriptArguments, training: JetGRPOConfig) -> int:
     open(metrics.path, "w").close()
     trainer.add_callback(metrics)
     s = trainer.diffusion_sampling
-    print(f"GRPO on {task.name}: train={training.train_precision} rollout={training.rollout_precision} "
-          f"corrector={training.corrector_name} lora={script.lora} | sampler: {s.gen_length} tokens, blocks of "
-          f"{s.block_length}, {s.steps} steps, {s.remasking}")  # fmt: skip
+    if trainer.is_world_process_zero():
+        print(f"GRPO on {task.name}: train={training.train_precision} rollout={training.rollout_precision} "
+              f"corrector={training.corrector_name} lora={script.lora} | sampler: {s.gen_length} tokens, blocks "
+              f"of {s.block_length}, {s.steps} steps, {s.remasking}")  # fmt: skip
     trainer.train(resume_from_checkpoint=training.resume_from_checkpoint)
     trainer.save_model(training.output_dir)
     rows = metrics.rows

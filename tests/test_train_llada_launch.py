@@ -52,6 +52,23 @@ def test_accelerate_launch_fast_tiny_run(tmp_path):
     assert (out / "model.safetensors").exists()
 
 
+def test_two_processes_over_gloo(tmp_path):
+    """DDP with a diffusion LM: one forward per backward, metrics gathered over both ranks, logged once."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(ROOT / "examples" / "configs" / "accelerate_cpu_2proc.yaml"), "--num_processes", "2",
+           "--mixed_precision", "no", str(SCRIPT), "--fast", "--output_dir", str(out), "--ddp_backend", "gloo",
+           "--train_precision", "bf16", "--rollout_precision", "fp8", "--corrector", "ais", *CPU]  # fmt: skip
+    env = {"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "TOKENIZERS_PARALLELISM": "false"}
+    done = subprocess.run(cmd, cwd=tmp_path, env={**os.environ, **OFFLINE, **env}, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.stdout.count("GRPO on countdown") == 1  # printed by rank 0 only
+    rows = _metrics(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["mismatch/logp_abs_diff_mean"] > 0 and 0 <= r["corrector/alpha"] <= 1 for r in rows)
+
+
 def test_local_checkpoint_with_lora_and_a_corrector(tmp_path):
     from test_llada_grpo import save_published_layout
 
