@@ -416,3 +416,18 @@ def test_quantize_model_swaps_block_linears_but_not_the_lm_head():
         logits = model(ids, attention_mask=mask).logits
     assert counts == {("rollout", "fp8"): 2 * 7}
     assert torch.isfinite(logits).all()
+
+
+def test_saved_checkpoint_loads_through_trls_model_loader(tmp_path):
+    # TRL builds the KL reference model with create_model_from_path, which reads `config.auto_map`;
+    # a checkpoint we save has none and must still load as our class.
+    from trl.trainer.utils import create_model_from_path
+
+    from jetrl_trainer.diffusion.tiny import build_tiny_llada
+
+    model = build_tiny_llada(vocab_size=40, mask_token_id=39)
+    model.save_pretrained(tmp_path)
+    reloaded = create_model_from_path(str(tmp_path))
+    assert type(reloaded) is type(model)
+    ids = torch.tensor([[1, 2, 3, 39]])
+    assert torch.equal(reloaded(ids).logits, model(ids).logits)

@@ -61,6 +61,9 @@ class LLaDAConfig(PreTrainedConfig):
 
     model_type: ClassVar[str] = "llada"
     keys_to_ignore_at_inference: ClassVar[list[str]] = ["past_key_values"]
+    # Read (not required) by tools that look for remote code, e.g. TRL's reference-model loader reads
+    # `config.auto_map`; a checkpoint we save has none, and our class is registered instead.
+    auto_map: ClassVar[dict] = {}
     attribute_map: ClassVar[dict[str, str]] = {
         "hidden_size": "d_model",
         "num_attention_heads": "n_heads",
