@@ -29,26 +29,14 @@ import os
 import sys
 import time
 
-import torch
-from tqdm.auto import tqdm
-from transformers import TrainerCallback
-from transformers.trainer_callback import PrinterCallback, ProgressCallback
-
-from jetrl_trainer import JetGRPOConfig, JetGRPOTrainer
-from jetrl_trainer.tasks import get_task
-from jetrl_trainer.tiny import (
-    build_tiny_qwen3,
-    build_tiny_tokenizer,
-    evaluate_reward,
-    warm_start,
-)
+# torch / transformers / jetrl_trainer are imported in main(), so that `--help` answers at once.
 
 # Full run / --fast run: ~1 min / ~30 s on 2 idle CPU cores (63 s measured for the full run; a busy
-# machine can take several times longer). The warm start is kept short
-# on purpose: a model that already answers most problems leaves GRPO little to show in 100 steps.
+# machine can take several times longer). The warm start is kept short on purpose: a model that
+# already answers most problems leaves GRPO little to show in 100 steps.
 PRESETS = {
     "full": dict(warm_start_steps=60, grpo_steps=100, prompts_per_step=8, num_generations=8, eval_prompts=128),
-    "fast": dict(warm_start_steps=30, grpo_steps=4, prompts_per_step=2, num_generations=4, eval_prompts=16),
+    "fast": dict(warm_start_steps=15, grpo_steps=4, prompts_per_step=2, num_generations=4, eval_prompts=8),
 }
 LOGGED = (
     "reward", "reward_std", "loss", "mismatch/logp_abs_diff_mean", "mismatch/logp_abs_diff_max", "mismatch/kl_k3",
@@ -74,28 +62,34 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-class MetricsCallback(TrainerCallback):
-    """A tqdm bar with the live reward and mismatch, and one JSON line per logged step."""
+def metrics_callback(path: str, total: int, desc: str):
+    """A TrainerCallback: a tqdm bar with the live reward and mismatch, one JSON line per logged step."""
+    from tqdm.auto import tqdm
+    from transformers import TrainerCallback
 
-    def __init__(self, path: str, total: int, desc: str):
-        self.path, self.total, self.desc, self.rows, self.bar = path, total, desc, [], None
+    class MetricsCallback(TrainerCallback):
+        def __init__(self):
+            self.rows, self.bar = [], None
 
-    def on_train_begin(self, args, state, control, **kwargs):
-        open(self.path, "w").close()
-        self.bar = tqdm(total=self.total, desc=self.desc, unit="step")
+        def on_train_begin(self, args, state, control, **kwargs):
+            open(path, "w").close()
+            self.bar = tqdm(total=total, desc=desc, unit="step")
 
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if not logs or "reward" not in logs:
-            return
-        row = {"step": state.global_step, **{k: logs[k] for k in LOGGED if k in logs}}
-        self.rows.append(row)
-        with open(self.path, "a") as f:
-            f.write(json.dumps(row) + "\n")
-        self.bar.update(state.global_step - self.bar.n)
-        self.bar.set_postfix(reward=f"{row['reward']:.3f}", dlogp=f"{row.get('mismatch/logp_abs_diff_mean', 0):.1e}")
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if not logs or "reward" not in logs:
+                return
+            row = {"step": state.global_step, **{k: logs[k] for k in LOGGED if k in logs}}
+            self.rows.append(row)
+            with open(path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+            self.bar.update(state.global_step - self.bar.n)
+            dlogp = row.get("mismatch/logp_abs_diff_mean", 0)
+            self.bar.set_postfix(reward=f"{row['reward']:.3f}", dlogp=f"{dlogp:.1e}")
 
-    def on_train_end(self, args, state, control, **kwargs):
-        self.bar.close()
+        def on_train_end(self, args, state, control, **kwargs):
+            self.bar.close()
+
+    return MetricsCallback()
 
 
 def plot(rows: list[dict], path: str, args: argparse.Namespace) -> str:
@@ -136,6 +130,13 @@ def plot(rows: list[dict], path: str, args: argparse.Namespace) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    import torch
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+    from jetrl_trainer import JetGRPOConfig, JetGRPOTrainer
+    from jetrl_trainer.tasks import get_task
+    from jetrl_trainer.tiny import build_tiny_qwen3, build_tiny_tokenizer, evaluate_reward, warm_start
+
     preset = dict(PRESETS["fast" if args.fast else "full"])
     if args.warm_start_steps is not None:
         preset["warm_start_steps"] = args.warm_start_steps
@@ -191,7 +192,7 @@ def main(argv=None) -> int:
     for cb in (PrinterCallback, ProgressCallback):  # our bar replaces the per-step dict dumps
         trainer.remove_callback(cb)
     desc = f"GRPO ({args.rollout_precision} rollouts + {args.train_precision} training)"
-    metrics = MetricsCallback(os.path.join(args.output_dir, "metrics.jsonl"), steps, desc)
+    metrics = metrics_callback(os.path.join(args.output_dir, "metrics.jsonl"), steps, desc)
     trainer.add_callback(metrics)
     print(
         f"[3/4] GRPO: {steps} steps x {per_step} prompts x {preset['num_generations']} samples, "
