@@ -118,3 +118,23 @@ def test_plain_grpo_config_is_refused(tmp_path):
     args = GRPOConfig(output_dir=str(tmp_path), **FAST)
     with pytest.raises(ValueError, match="needs a JetGRPOConfig"):
         JetGRPOTrainer(tiny_model(), byte_reward, args=args, train_dataset=prompts(), processing_class=tokenizer())
+
+
+def test_model_id_is_loaded_with_model_init_kwargs_and_quantized(tmp_path):
+    import torch
+
+    from _trainer_utils import tiny_model
+    from jetrl_trainer.quant import QuantLinear
+
+    tiny_model().save_pretrained(tmp_path / "tiny")
+    trainer = make_trainer(
+        tmp_path / "run", str(tmp_path / "tiny"), model_init_kwargs={"dtype": "bfloat16"},
+        train_precision="fp8", rollout_precision="fp8",
+    )  # fmt: skip
+    quantized = [m for m in trainer.model.modules() if isinstance(m, QuantLinear)]
+    assert len(quantized) == LINEARS_PER_FORWARD and trainer.model.dtype == torch.bfloat16
+    assert type(trainer.model.lm_head) is torch.nn.Linear  # the head stays un-quantized
+    before = snapshot(trainer.model)
+    logs, counts = train(trainer)
+    assert changed(trainer.model, before) and set(counts) == {("rollout", "fp8"), ("train", "fp8")}
+    assert logs["mismatch/logp_abs_diff_mean"] < 1e-2
