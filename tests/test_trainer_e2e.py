@@ -138,3 +138,15 @@ def test_model_id_is_loaded_with_model_init_kwargs_and_quantized(tmp_path):
     logs, counts = train(trainer)
     assert changed(trainer.model, before) and set(counts) == {("rollout", "fp8"), ("train", "fp8")}
     assert logs["mismatch/logp_abs_diff_mean"] < 1e-2
+
+
+def test_sampling_logprobs_follow_the_temperature_and_truncation(tmp_path):
+    """Recorded log-probs use the sampling temperature, like TRL's training log-probs, so the unified
+    flow stays at the floor at T=0.7; with top-k the sampler's renormalised distribution differs
+    from the full softmax TRL scores, and that gap shows up as mismatch (docs/trainer.md)."""
+    warm = make_trainer(tmp_path / "t", train_precision="bf16", rollout_precision="bf16", temperature=0.7)
+    assert train(warm)[0]["mismatch/logp_abs_diff_mean"] < 1e-5
+    topk = make_trainer(tmp_path / "k", train_precision="bf16", rollout_precision="bf16", top_k=5)
+    logs = train(topk)[0]
+    # k1 = mean(logp_rollout - logp_train) > 0: the truncated sampler gives its tokens more mass
+    assert logs["mismatch/logp_abs_diff_mean"] > 0.1 and logs["mismatch/kl_k1"] > 0
