@@ -1,7 +1,7 @@
 """jetrl-trainer in five minutes on a laptop CPU: FP8 GRPO with the unified precision flow.
 
-    python examples/quickstart.py                 # ~1-2 min on 2 CPU cores, no network, no GPU
-    python examples/quickstart.py --fast          # a smoke run (~30 s), used by the tests
+    python examples/quickstart.py                 # ~30 s on 2 idle CPU cores, no network, no GPU
+    python examples/quickstart.py --fast          # a smoke run (~15 s), used by the tests
 
 What it does:
 
@@ -31,8 +31,8 @@ import time
 
 # torch / transformers / jetrl_trainer are imported in main(), so that `--help` answers at once.
 
-# Full run / --fast run: ~1 min / ~30 s on 2 idle CPU cores (63 s measured for the full run; a busy
-# machine can take several times longer). The warm start is kept short on purpose: a model that
+# Full run / --fast run: 32 s / ~15 s wall on 2 idle CPU cores (measured; a busy machine can take
+# several times longer). The warm start is kept short on purpose: a model that
 # already answers most problems leaves GRPO little to show in 100 steps.
 PRESETS = {
     "full": dict(warm_start_steps=60, grpo_steps=100, prompts_per_step=8, num_generations=8, eval_prompts=128),

@@ -1,6 +1,6 @@
 """examples/quickstart.py as a user runs it: a subprocess, offline, writing its metrics and plot.
 
-The fast mode runs in CI. The full run (~1 minute on 2 idle cores, asserts that the reward goes up) is
+The fast mode runs in CI. The full run (~30 s on 2 idle cores; asserts that the reward goes up) is
 opt-in: ``JETRL_RUN_SLOW=1 pytest tests/test_quickstart.py``.
 """
 
