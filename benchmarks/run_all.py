@@ -72,7 +72,7 @@ def _headline(results: dict) -> None:
     d = results.get("decoder_layer", {})
     if "ms" in d:
         print("decoder layer", d["ms"], d["speedup_vs_bf16"], d.get("memory"))
-        print("decoder layer graphed", d.get("cuda_graph_ms_proposed_dispatch"))
+        print("decoder layer graphed", d.get("cuda_graph_ms"), d.get("cuda_graph_speedup_vs_bf16"), "fused:", d.get("fp8_fused_norms"))
     for name, v in results.items():
         if "error" in v:
             print(name, "ERROR", v["error"])
