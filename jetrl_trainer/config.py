@@ -94,6 +94,10 @@ class JetGRPOConfig(GRPOConfig):
         nvfp4_backward (`str`, *optional*, defaults to `"dequantized"`):
             NVFP4 backward: `"dequantized"` (gradient of the quantized op actually run) or
             `"high_precision"` (BF16 operands).
+        fuse_norm_quant (`bool`, *optional*):
+            Fuse the RMSNorms and SwiGLU of Qwen3/Llama/LLaDA layers with the FP8 quantization of
+            their output (one kernel instead of two; same values). `None` = on where it pays: CUDA
+            with Triton and an FP8 phase. Other architectures are left as they are.
         diffusion_steps (`int`, *optional*):
             Diffusion LMs (LLaDA) only: denoising steps per completion, a multiple of the number of
             blocks. `None` = `max_completion_length // 2` (two tokens per step, as d1).
@@ -203,6 +207,13 @@ class JetGRPOConfig(GRPOConfig):
             "help": "NVFP4 backward: 'dequantized' (gradient of the quantized op actually run) or "
             "'high_precision' (BF16 operands).",
             "choices": list(_NVFP4_BACKWARDS),
+        },
+    )
+    fuse_norm_quant: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Fuse Qwen3/Llama/LLaDA RMSNorms and SwiGLU with the FP8 quantization of their output "
+            "(same values, one kernel). None = on where it pays: CUDA with Triton and an FP8 phase."
         },
     )
     diffusion_steps: int | None = field(

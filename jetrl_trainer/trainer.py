@@ -66,7 +66,7 @@ class JetGRPOTrainer(GRPOTrainer):
     ``args.model_init_kwargs``), a model object, or a peft model (only the frozen base layers are
     quantized; adapters stay in their dtype); the model is converted in place.
 
-    Overrides ``__init__``, ``_generate_single_turn``, ``_generate_and_score_completions``,
+    Overrides ``__new__`` (diffusion routing, below), ``__init__``, ``_generate_single_turn``, ``_generate_and_score_completions``,
     ``_compute_loss``, ``training_step``, ``create_optimizer``, ``log``, ``_save`` and
     ``create_model_card``; everything else is inherited. Subclass hooks: ``_rollout`` and
     ``_train_logps``.
@@ -119,6 +119,7 @@ class JetGRPOTrainer(GRPOTrainer):
             keep_modules=tuple(a.keep_bf16_modules or ()),
             scale_format=a.fp8_scale_format,
             nvfp4_backward=a.nvfp4_backward,
+            fuse_norms=a.fuse_norm_quant,
         )
 
     def _quantize_models(self) -> None:

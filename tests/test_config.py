@@ -112,3 +112,15 @@ def test_cli_parser_exposes_the_fields():
     assert (cfg.train_precision, cfg.rollout_precision, cfg.corrector) == ("bf16", "fp8", "mis")
     assert cfg.corrector_params() == {"low": 0.4, "high": 3.0}
     assert cfg.keep_bf16_modules == ["a", "b"]
+
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_fuse_norm_quant_reaches_quantize_model(tmp_path, fuse):
+    from _trainer_utils import make_trainer
+
+    from jetrl_trainer.quant.fused import FusedRMSNorm
+
+    trainer = make_trainer(tmp_path, fuse_norm_quant=fuse)
+    fused = any(isinstance(m, FusedRMSNorm) for m in trainer.model.modules())
+    assert fused is fuse
