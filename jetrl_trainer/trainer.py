@@ -177,6 +177,10 @@ class JetGRPOTrainer(GRPOTrainer):
 
     def _train_logps(self, batch: dict[str, Any]) -> Tensor:
         """Hook: log-probs ``[B, T]`` of the completion tokens under the training precision, no grad."""
+        return self._phase_logps(batch, "train")
+
+    def _phase_logps(self, batch: dict[str, Any], phase: str) -> Tensor:
+        """Log-probs of a generated batch's completion tokens in ``phase``'s precision, no grad."""
         input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
         attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
         mode = "train" if self.model.training else "eval"
@@ -184,7 +188,7 @@ class JetGRPOTrainer(GRPOTrainer):
         with (
             torch.no_grad(),
             disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs),
-            precision_phase("train"),
+            precision_phase(phase),
         ):
             logps, _, _ = self._get_per_token_logps_and_entropies(
                 self.model, input_ids, attention_mask, batch["completion_ids"].size(1), batch_size=batch_size

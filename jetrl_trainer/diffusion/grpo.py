@@ -53,9 +53,8 @@ import torch
 from torch import Tensor, nn
 from transformers import AutoConfig, GenerationConfig
 from trl import GRPOTrainer
-from trl.models.utils import disable_gradient_checkpointing, unwrap_model_for_generation
+from trl.models.utils import unwrap_model_for_generation
 
-from jetrl_trainer.quant import precision_phase
 from jetrl_trainer.rollout import left_pad, truncate_after_eos
 
 from .configuration_llada import LLaDAConfig
@@ -399,22 +398,6 @@ class DiffusionGRPOMixin:
             weights.append(correction.weights.to(sampling.dtype))
         if self.args.corrector_active:
             batch["importance_sampling_ratio"] = torch.stack(weights, dim=1)
-
-    def _phase_logps(self, batch: dict[str, Any], phase: str) -> Tensor:
-        """``(B, I, T)`` estimator log-probs of a generated batch in ``phase``'s precision, no grad."""
-        input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
-        attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
-        mode = "train" if self.model.training else "eval"
-        batch_size = self.args.per_device_train_batch_size if mode == "train" else self.args.per_device_eval_batch_size
-        with (
-            torch.no_grad(),
-            disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs),
-            precision_phase(phase),
-        ):
-            logps, _, _ = self._get_per_token_logps_and_entropies(
-                self.model, input_ids, attention_mask, batch["completion_ids"].size(1), batch_size=batch_size
-            )
-        return logps
 
     # ------------------------------------------------------------------ loss
 
