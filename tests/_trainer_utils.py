@@ -82,3 +82,20 @@ def train(trainer, **train_kwargs):
         trainer.train(**train_kwargs)
     steps = [log for log in trainer.state.log_history if "loss" in log]
     return (steps[0] if steps else {}), counts
+
+
+def strategy_runs(tmp_path_factory, make):
+    """``get((train, rollout, corrector))`` trains one step per strategy once and caches the run
+    (trainer, first-step logs, GEMM counts, changed parameter names) for a module's tests."""
+    cache = {}
+
+    def get(strategy):
+        if strategy not in cache:
+            tp, rp, corrector = strategy
+            trainer = make(tmp_path_factory.mktemp("run"), train_precision=tp, rollout_precision=rp, corrector=corrector)
+            before = snapshot(trainer.model)
+            logs, counts = train(trainer)
+            cache[strategy] = dict(trainer=trainer, logs=logs, counts=counts, changed=changed(trainer.model, before))
+        return cache[strategy]
+
+    return get

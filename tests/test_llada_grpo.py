@@ -8,7 +8,7 @@ import types
 
 import pytest
 import torch
-from _trainer_utils import byte_reward, changed, prompts, snapshot, tokenizer, train
+from _trainer_utils import byte_reward, changed, prompts, snapshot, strategy_runs, tokenizer, train
 from torch import nn
 
 from jetrl_trainer import JetGRPOConfig, JetGRPOTrainer
@@ -67,20 +67,8 @@ STRATEGIES = {
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    cache = {}
-
-    def get(strategy):
-        if strategy not in cache:
-            tp, rp, corrector = strategy
-            trainer = make_trainer(
-                tmp_path_factory.mktemp("run"), train_precision=tp, rollout_precision=rp, corrector=corrector
-            )
-            before = snapshot(trainer.model)
-            logs, counts = train(trainer)
-            cache[strategy] = dict(trainer=trainer, logs=logs, counts=counts, changed=changed(trainer.model, before))
-        return cache[strategy]
-
-    return get
+    """One training step per strategy, run once and shared by the tests below."""
+    return strategy_runs(tmp_path_factory, make_trainer)
 
 
 @pytest.mark.parametrize("strategy", list(STRATEGIES), ids=lambda s: "-".join(s))

@@ -4,7 +4,7 @@ logs its mismatch, and the mismatch is where the strategy says it should be."""
 from __future__ import annotations
 
 import pytest
-from _trainer_utils import changed, make_trainer, snapshot, train
+from _trainer_utils import changed, make_trainer, snapshot, strategy_runs, train
 
 from jetrl_trainer.correctors import MISMATCH_METRICS
 
@@ -25,20 +25,7 @@ LINEARS_PER_FORWARD = 2 * 7  # tiny Qwen3: 2 layers x (q, k, v, o, gate, up, dow
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """One training step per strategy, run once and shared by the tests below."""
-    cache = {}
-
-    def get(strategy):
-        if strategy not in cache:
-            tp, rp, corrector = strategy
-            trainer = make_trainer(
-                tmp_path_factory.mktemp("run"), train_precision=tp, rollout_precision=rp, corrector=corrector
-            )
-            before = snapshot(trainer.model)
-            logs, counts = train(trainer)
-            cache[strategy] = dict(trainer=trainer, logs=logs, counts=counts, changed=changed(trainer.model, before))
-        return cache[strategy]
-
-    return get
+    return strategy_runs(tmp_path_factory, make_trainer)
 
 
 @pytest.mark.parametrize("strategy", list(STRATEGIES), ids=lambda s: "-".join(s))
