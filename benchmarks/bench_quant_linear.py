@@ -65,17 +65,22 @@ def run() -> dict:
             "cpu_profile_k_proj": _cpu_profile(*QWEN3_8B["k_proj"])}
 
 
+def _requantized_fp8_step(n: int, k: int):
+    """One FP8 fwd+bwd of an [n, k] QuantLinear on M_TRAIN tokens, weight re-quantized every call."""
+    lin = nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+    qlin = QuantLinear.from_linear(lin, {"train": "fp8", "rollout": "fp8"})
+    x = torch.randn(M_TRAIN, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(M_TRAIN, n, device="cuda", dtype=torch.bfloat16)
+    return _step(qlin, x, dy, requantize=True)
+
+
 def _cpu_profile(n: int, k: int, iters: int = 20) -> list[str]:
     """Host-side cost of an eager FP8 fwd+bwd (the GPU work of k_proj is far smaller)."""
     import cProfile
     import io
     import pstats
 
-    lin = nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
-    qlin = QuantLinear.from_linear(lin, {"train": "fp8", "rollout": "fp8"})
-    x = torch.randn(M_TRAIN, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(M_TRAIN, n, device="cuda", dtype=torch.bfloat16)
-    step = _step(qlin, x, dy, requantize=True)
+    step = _requantized_fp8_step(n, k)
     for _ in range(3):
         step()
     torch.cuda.synchronize()
@@ -94,11 +99,7 @@ def _breakdown(n: int, k: int, iters: int = 5) -> dict:
     """CUDA time per kernel name for one FP8 fwd+bwd (weight re-quantized), from the profiler."""
     from torch.profiler import ProfilerActivity, profile
 
-    lin = nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
-    qlin = QuantLinear.from_linear(lin, {"train": "fp8", "rollout": "fp8"})
-    x = torch.randn(M_TRAIN, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(M_TRAIN, n, device="cuda", dtype=torch.bfloat16)
-    step = _step(qlin, x, dy, requantize=True)
+    step = _requantized_fp8_step(n, k)
     for _ in range(3):
         step()
     torch.cuda.synchronize()
