@@ -3,10 +3,10 @@
 A quantized policy is still an ordinary model: `QuantLinear` subclasses ``nn.Linear`` and shares
 the original ``weight`` / ``bias`` Parameters, so ``save_pretrained`` writes the master weights
 (BF16 when the model was loaded in BF16) under the usual names and a plain
-``AutoModelForCausalLM.from_pretrained`` loads them. `master_state_dict` drops anything else a
-quantized layer may carry in its state dict (cached FP8 copies, scales), so those never reach a
-checkpoint. Exporting an FP8-block checkpoint for inference engines is a separate step, not done
-at save time.
+``AutoModelForCausalLM.from_pretrained`` loads them. Nothing else reaches the state dict: the
+quantized weight cache is a plain attribute, not a buffer, and the fused norm/SwiGLU modules hold
+the same Parameters under the same names (``tests/test_hub.py`` checks both), so there is nothing to
+filter at save time. No FP8-block checkpoint exporter exists yet.
 
 The model card gets the ``jetrl`` tag, a ``jetrl`` metadata block (precisions, corrector, quant
 options) and a short section in words.
@@ -21,40 +21,22 @@ from typing import Any
 
 from torch import Tensor, nn
 
-__all__ = ["JETRL_TAG", "jetrl_card_metadata", "jetrl_card_section", "master_state_dict", "update_model_card"]
+__all__ = ["JETRL_TAG", "jetrl_card_metadata", "jetrl_card_section", "update_model_card"]
 
 JETRL_TAG = "jetrl"
 _BEGIN, _END = "<!-- jetrl:begin -->", "<!-- jetrl:end -->"
-_MASTER_KEYS = ("weight", "bias")
-
-
-def _quantized_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    try:
-        from jetrl_trainer.quant import QuantLinear
-    except ImportError:  # quant package without QuantLinear: nothing can be quantized
-        return []
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, QuantLinear)]
 
 
 def master_state_dict(
     model: nn.Module, state_dict: Mapping[str, Tensor] | None = None
-) -> dict[str, Tensor] | None:
-    """``state_dict`` (default: ``model.state_dict()``) without non-master entries of quantized layers.
+) -> Mapping[str, Tensor] | None:
+    """Deprecated identity, to be removed: returns ``state_dict`` unchanged (``None`` stays ``None``).
 
-    Returns ``None`` when there is nothing to drop and no ``state_dict`` was given, so that callers
-    can let ``save_pretrained`` build its own (which matters for peft adapters).
+    A quantized model's state dict already holds only the master weights (module docstring), so
+    there is nothing to filter; ``JetGRPOTrainer._save`` still calls this until it passes its
+    ``state_dict`` straight to ``super()._save``.
     """
-    extras = {
-        f"{name}.{key}" if name else key
-        for name, module in _quantized_modules(model)
-        for key in module.state_dict(keep_vars=True)
-        if key not in _MASTER_KEYS
-    }
-    if not extras:
-        return None if state_dict is None else dict(state_dict)
-    state_dict = model.state_dict() if state_dict is None else state_dict
-    # Wrapped models (DDP "module.", FSDP) prefix the keys: match on the suffix.
-    return {k: v for k, v in state_dict.items() if not any(k == e or k.endswith("." + e) for e in extras)}
+    return state_dict
 
 
 def jetrl_card_metadata(args: Any) -> dict[str, Any]:

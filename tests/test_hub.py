@@ -1,10 +1,9 @@
-"""hub: master_state_dict filtering and the jetrl model card (no trainer, no network)."""
+"""hub: a quantized model saves its master weights as is, and the jetrl model card (no trainer, no network)."""
 
 from __future__ import annotations
 
 import torch
 import yaml
-from torch import nn
 
 from jetrl_trainer.config import JetGRPOConfig
 from jetrl_trainer.hub import jetrl_card_metadata, jetrl_card_section, master_state_dict, update_model_card
@@ -15,29 +14,33 @@ def _args(**kw):
     return JetGRPOConfig(output_dir="/tmp/jetrl-test-hub", report_to="none", bf16=False, use_cpu=True, **kw)
 
 
-class Tiny(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.body = nn.Linear(4, 4)
-        self.head = nn.Linear(4, 2, bias=False)
+def test_quantized_model_state_dict_holds_only_the_master_weights(tmp_path):
+    # Why save needs no filter: after quantize + fuse, rollout and training forwards (which fill
+    # the FP8 / NVFP4 weight caches) and a backward, the state dict is the original one, same
+    # keys and same storage, and a checkpoint reloads into a plain transformers model.
+    from transformers import AutoModelForCausalLM
 
+    from jetrl_trainer.quant import precision_phase
+    from jetrl_trainer.quant.fused import fuse_norm_and_swiglu
+    from jetrl_trainer.tiny import build_tiny_qwen3
 
-def test_quantized_model_state_dict_is_already_plain():
-    model = quantize_model(Tiny(), train="fp8", rollout="fp8")
-    assert isinstance(model.body, QuantLinear)
-    assert master_state_dict(model) is None  # nothing to drop: let save_pretrained build its own
-
-
-def test_extra_entries_of_quantized_layers_are_dropped():
-    model = quantize_model(Tiny(), train="fp8", rollout="fp8")
-    model.body.register_buffer("weight_scale_inv", torch.ones(1, 1))  # as a cached FP8 copy would
-    model.body.register_buffer("weight_fp8", torch.zeros(4, 4))
-    sd = master_state_dict(model)
-    assert set(sd) == {"body.weight", "body.bias", "head.weight"}
-    assert torch.equal(sd["body.weight"], model.body.weight)
-    # A state dict from a wrapper (DDP "module." prefix) is filtered by suffix.
-    wrapped = {f"module.{k}": v for k, v in model.state_dict().items()}
-    assert set(master_state_dict(model, wrapped)) == {"module.body.weight", "module.body.bias", "module.head.weight"}
+    model = build_tiny_qwen3()
+    before = {k: v.data_ptr() for k, v in model.state_dict().items()}
+    fuse_norm_and_swiglu(quantize_model(model, train="fp8", rollout="nvfp4"))
+    ids = torch.randint(0, model.config.vocab_size, (2, 9))
+    with precision_phase("rollout"), torch.no_grad():
+        model(ids)
+    model(ids).logits.float().pow(2).mean().backward()
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert layers and all(len(m._weight_cache) == 2 for m in layers)  # fp8 and nvfp4 weights cached
+    state = model.state_dict()
+    assert {k: v.data_ptr() for k, v in state.items()} == before
+    assert master_state_dict(model, state) is state and master_state_dict(model) is None  # identity
+    model.save_pretrained(tmp_path)
+    reloaded, info = AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert not any(info.values()), info  # no missing / unexpected / mismatched keys
+    for key, value in reloaded.state_dict().items():
+        assert torch.equal(value, state[key]), key
 
 
 def test_card_metadata_and_section():
