@@ -14,13 +14,12 @@ from jetrl_trainer.kernels import (
     act_quant_fp8,
     requant_transpose_fp8,
     rmsnorm_quant_fp8,
-    rmsnorm_reference,
     swiglu_quant_fp8,
-    swiglu_reference,
     transpose_fp8_blocks,
     weight_quant_fp8,
 )
 from jetrl_trainer.quant.fp8 import dequantize_fp8_groups, quantize_fp8_blocks, quantize_fp8_groups
+from jetrl_trainer.quant.reference import rmsnorm_reference, swiglu_reference
 
 M, K, K_FF = 16384, 4096, 12288  # 16k tokens of Qwen3-8B: inputs 128-400 MB, well past the 60 MB L2
 

@@ -11,6 +11,7 @@ import torch
 from _common import dump, environment
 from jetrl_trainer.kernels import fp8_gemm_nt
 from jetrl_trainer.quant.fp8 import quantize_fp8_blocks, quantize_fp8_groups
+from jetrl_trainer.quant.testing import relative_error
 
 
 def _try(m, n, k, gran):
@@ -24,7 +25,7 @@ def _try(m, n, k, gran):
     except RuntimeError as exc:
         return "error: " + str(exc).split("\n")[0][:60]
     ref = fp8_gemm_nt((a_q, a_s), (b_q, b_s), b_granularity=gran, out_dtype=torch.float32, backend="emulated")
-    rel = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+    rel = relative_error(out, ref)
     return f"ok rel={rel:.1e}" if rel < 1e-2 else f"WRONG rel={rel:.1e}"
 
 

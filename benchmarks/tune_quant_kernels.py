@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from _common import bench_ms, copy_bandwidth_gbs, dump, environment
-from jetrl_trainer.kernels import act_quant_fp8, act_quant_fp8_both, requant_transpose_fp8, transpose_fp8_blocks, weight_quant_fp8
+from jetrl_trainer.kernels import act_quant_fp8, requant_transpose_fp8, transpose_fp8_blocks, weight_quant_fp8
 from jetrl_trainer.kernels import fp8_gemm_nt, triton_gemm, triton_quant
 
 M, K = 16384, 4096
@@ -20,7 +20,6 @@ SWEEP = {
     "weight": [(8,), (16,), (32,)],
     "requant_t": [(32, 4, False), (32, 4, True), (64, 4, True), (128, 8, True), (32, 2, True), (16, 2, False)],
     "transpose": [(64, 256, 8), (128, 256, 8), (64, 512, 8), (32, 256, 4), (128, 128, 4)],
-    "both": [(4, False), (4, True), (8, True), (16, True)],
 }
 
 
@@ -38,7 +37,6 @@ def run() -> dict:
         "weight": (lambda: weight_quant_fp8(w), w.numel() * 3),
         "requant_t": (lambda: requant_transpose_fp8(*xq), x.numel() * 2 + 2 * s_bytes),
         "transpose": (lambda: transpose_fp8_blocks(*wq), w.numel() * 2),
-        "both": (lambda: act_quant_fp8_both(x), x.numel() * 4 + 2 * s_bytes),
     }
     result = {"environment": environment(), "copy_GB/s": round(copy, 1)}
     for name, configs in SWEEP.items():

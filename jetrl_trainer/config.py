@@ -19,12 +19,16 @@ from typing import Any
 
 from trl import GRPOConfig
 
-__all__ = ["JetGRPOConfig", "PRECISIONS", "CORRECTOR_PARAMS"]
+# Every set of allowed values is defined once, in jetrl_trainer/_choices.py.
+from jetrl_trainer._choices import (
+    NVFP4_BACKWARDS as _NVFP4_BACKWARDS,
+    PRECISIONS,
+    REMASKINGS as _REMASKINGS,
+    SCALE_FORMATS as _SCALE_FORMATS,
+    check_choice,
+)
 
-PRECISIONS: tuple[str, ...] = ("bf16", "fp8", "nvfp4")
-_SCALE_FORMATS = ("fp32", "ue8m0")
-_NVFP4_BACKWARDS = ("dequantized", "high_precision")
-_REMASKINGS = ("low_confidence", "random")  # jetrl_trainer.diffusion.sampler.REMASKING
+__all__ = ["JetGRPOConfig", "PRECISIONS", "CORRECTOR_PARAMS"]
 
 # Which config field feeds which parameter of which built-in corrector (get_corrector keywords).
 _FIELD_TO_PARAM = {
@@ -363,6 +367,4 @@ class JetGRPOConfig(GRPOConfig):
 
 
 def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
-    if isinstance(value, str) and value.strip().lower() in allowed:
-        return value.strip().lower()
-    raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {value!r}.")
+    return check_choice(name, value, allowed, normalize=True)  # CLI / YAML values: case-insensitive

@@ -1,9 +1,13 @@
 """GEMM backends and (on GPU) Triton kernels. Narrow API: tensors and (data, scale) pairs only.
 
-The emulated backend is always registered. The GPU modules are optional: each is imported only
-if its file exists, registers itself on import, and must import cleanly without Triton or CUDA.
-Whatever an optional module lists in ``__all__`` is re-exported here (e.g. ``act_quant_fp8``),
-which is how ``jetrl_trainer.quant._dispatch`` finds the fast kernels.
+The emulated backend is always registered. The GPU modules are optional, under one policy: each
+is imported here once, registers itself on import, and may fail (no Triton, a broken build, a bad
+``deep_gemm``); a failure is logged and the module is left out, and the CPU path never notices.
+Package code reaches a GPU module only through :func:`optional_module`, which returns ``None`` for
+one that did not import; nothing imports from a GPU module at module level.
+
+For scripts and tests, whatever an imported GPU module lists in ``__all__`` is also re-exported
+here (e.g. ``act_quant_fp8``); a name from a module that failed is absent.
 """
 
 from __future__ import annotations
@@ -11,28 +15,52 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
+from types import ModuleType
 
+from jetrl_trainer.kernels import _triton_support
 from jetrl_trainer.kernels import emulated as _emulated  # noqa: F401  (registers "emulated")
+from jetrl_trainer.kernels._triton_support import triton_available, triton_enabled
 from jetrl_trainer.kernels.gemm import (
+    auto_gemm_backends,
     available_gemm_backends,
     fp8_gemm_nt,
     forced_gemm_backend,
     register_gemm_backend,
     registered_gemm_backends,
+    reset_gemm_caches,
     use_gemm_backend,
 )
 
 __all__ = [
+    "auto_gemm_backends",
     "available_gemm_backends",
     "fp8_gemm_nt",
     "forced_gemm_backend",
+    "optional_module",
     "register_gemm_backend",
     "registered_gemm_backends",
+    "reset_kernel_caches",
+    "triton_available",
+    "triton_enabled",
     "use_gemm_backend",
 ]
 
 _OPTIONAL = ("scaled_mm", "triton_gemm", "deepgemm", "triton_quant", "triton_norm", "triton_swiglu")
 _log = logging.getLogger(__name__)
+_loaded: dict[str, ModuleType] = {}
+
+
+def optional_module(name: str) -> ModuleType | None:
+    """The GPU module ``jetrl_trainer.kernels.<name>`` if it imported, else ``None`` (reason logged)."""
+    return _loaded.get(name)
+
+
+def reset_kernel_caches() -> None:
+    """Forget everything resolved once per process: the GEMM backend order and availability, and
+    the values of ``JETRL_GEMM_BACKEND`` and ``JETRL_DISABLE_TRITON``. Call it after changing those
+    variables in a running process (tests do); registering a backend resets the GEMM part itself."""
+    reset_gemm_caches()
+    _triton_support.triton_enabled.cache_clear()
 
 
 def _import_optional(name: str) -> None:
@@ -44,10 +72,9 @@ def _import_optional(name: str) -> None:
     except Exception as exc:  # an optional GPU path must never break the CPU import
         _log.warning("jetrl_trainer.kernels: skipping %s (%s: %s)", fqn, type(exc).__name__, exc)
         return
+    _loaded[name] = module
     for public in getattr(module, "__all__", ()):
         globals()[public] = getattr(module, public)
-        if public not in __all__:
-            __all__.append(public)
 
 
 for _name in _OPTIONAL:

@@ -143,31 +143,3 @@ def transpose_u8_kernel(x_ptr, y_ptr, R, C, stride_xr, stride_yc, BLOCK_R: tl.co
     mask = (rows[:, None] < R) & (cols[None, :] < C)
     tile = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xr + cols[None, :], mask=mask)
     tl.store(y_ptr + cols[:, None].to(tl.int64) * stride_yc + rows[None, :], tl.trans(tile), mask=tl.trans(mask))
-
-
-@triton.jit
-def act_quant_both_kernel(
-    x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, K, stride_xm, stride_qm, stride_sm, stride_qtk, stride_stk,
-    GROUP: tl.constexpr, UE8M0: tl.constexpr, TRANS_F32: tl.constexpr,
-):
-    """One read of a (GROUP x GROUP) tile of x [M, K], two quantizations:
-    q/s  = 1 x GROUP groups along K (rows of x), and
-    qt/st = 1 x GROUP groups along M of x^T, stored as qt [K, M], st [K, ceil(M/GROUP)].
-    Both equal quantize_fp8_groups of x and of x.t().contiguous(): each group sees the same values."""
-    pid_m = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    rows = pid_m * GROUP + tl.arange(0, GROUP)
-    cols = pid_k * GROUP + tl.arange(0, GROUP)
-    mask = (rows[:, None] < M) & (cols[None, :] < K)
-    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :], mask=mask, other=0.0)
-    x = x.to(tl.float32)
-    s_row = _scale_from_amax(_amax(x, 1), UE8M0)  # (GROUP,) one per row of x
-    tl.store(q_ptr + rows[:, None].to(tl.int64) * stride_qm + cols[None, :], _fp8_bits(x, s_row[:, None]), mask=mask)
-    tl.store(s_ptr + rows.to(tl.int64) * stride_sm + pid_k, s_row, mask=rows < M)
-    s_col = _scale_from_amax(_amax(x, 0), UE8M0)  # (GROUP,) one per column of x
-    if TRANS_F32:
-        qt = _fp8_bits(tl.trans(x), s_col[:, None])
-    else:
-        qt = tl.trans(_fp8_bits(x, s_col[None, :]))
-    tl.store(qt_ptr + cols[:, None].to(tl.int64) * stride_qtk + rows[None, :], qt, mask=tl.trans(mask))
-    tl.store(st_ptr + cols.to(tl.int64) * stride_stk + pid_m, s_col, mask=cols < K)

@@ -8,13 +8,25 @@ from __future__ import annotations
 
 import functools
 import importlib
+import os
 from types import ModuleType
 
 import torch
 
-__all__ = ["call_op", "cdiv", "check_cuda_2d", "check_group", "load_jit", "triton_available"]
+from jetrl_trainer._choices import FLOAT_DTYPES, SCALE_FORMATS, check_choice
 
-_FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16)
+__all__ = [
+    "call_op",
+    "cdiv",
+    "check_cuda_2d",
+    "check_group",
+    "check_scale_format",
+    "load_jit",
+    "triton_available",
+    "triton_enabled",
+]
+
+_DISABLE_ENV = "JETRL_DISABLE_TRITON"
 
 
 @functools.cache
@@ -28,6 +40,15 @@ def triton_available() -> bool:
     return True
 
 
+@functools.cache
+def triton_enabled() -> bool:
+    """Triton works and ``JETRL_DISABLE_TRITON`` is not ``"1"``: the fast quant kernels may run.
+
+    Read once; ``jetrl_trainer.kernels.reset_kernel_caches()`` re-reads the variable.
+    """
+    return triton_available() and os.environ.get(_DISABLE_ENV) != "1"
+
+
 def load_jit(module: str) -> ModuleType:
     """Import ``jetrl_trainer.kernels.<module>`` (the ``@triton.jit`` code) on first use."""
     if not triton_available():
@@ -38,7 +59,7 @@ def load_jit(module: str) -> ModuleType:
     return importlib.import_module(f"jetrl_trainer.kernels.{module}")
 
 
-def check_cuda_2d(x: torch.Tensor, what: str, dtypes: tuple[torch.dtype, ...] = _FLOAT_INPUTS) -> None:
+def check_cuda_2d(x: torch.Tensor, what: str, dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES) -> None:
     """Validate a kernel operand: CUDA, 2-D, an allowed dtype, unit stride along the last dim."""
     if not isinstance(x, torch.Tensor) or x.device.type != "cuda":
         where = x.device if isinstance(x, torch.Tensor) else type(x).__name__
@@ -48,9 +69,11 @@ def check_cuda_2d(x: torch.Tensor, what: str, dtypes: tuple[torch.dtype, ...] = 
         )
     if x.dim() != 2:
         raise ValueError(f"{what} must be 2-D; got shape {tuple(x.shape)}. Flatten leading dims first.")
-    if x.dtype not in dtypes:
-        allowed = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
-        raise ValueError(f"{what} must be one of {allowed}; got {x.dtype}.")
+    check_choice(f"{what} dtype", x.dtype, dtypes)
+
+
+def check_scale_format(scale_format: str) -> None:
+    check_choice("scale_format", scale_format, SCALE_FORMATS)
 
 
 def check_group(group: int, what: str = "group") -> None:

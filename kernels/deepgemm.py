@@ -1,9 +1,13 @@
 """GEMM backend ``"deepgemm"``: DeepGEMM's SM90 FP8 kernels, registered only if ``deep_gemm`` imports.
 
-**Untested against a real DeepGEMM.** The lent H200 image has no ``deep_gemm`` and building it was
-not attempted for this module; the adapter was written from DeepGEMM's source and is exercised on
-CPU against a strict fake of that contract (``tests/test_deepgemm_backend.py``). DESIGN §7 records
-that an earlier attempt built DeepGEMM 2.6.1 on the H200 but crashed on its first GEMM call.
+**Opt-in, because it is untested against a real DeepGEMM.** The lent H200 image has no
+``deep_gemm`` and building it was not attempted for this module; the adapter was written from
+DeepGEMM's source and is exercised on CPU against a strict fake of that contract
+(``tests/test_deepgemm_backend.py``). An earlier attempt built DeepGEMM 2.6.1 on the H200 but it
+crashed on its first GEMM call. So the automatic choice never picks it; force it with
+``JETRL_GEMM_BACKEND=deepgemm``, ``use_gemm_backend("deepgemm")`` or ``backend="deepgemm"``.
+Make it automatic (``opt_in=False`` below) only after ``test_real_deepgemm_matches_emulated`` has
+passed on a GPU with the real library.
 
 DeepGEMM's contract, read from its repository (v2.6.1 at HEAD, and v2.1.1 for the older names):
 
@@ -43,7 +47,7 @@ What the adapter does (none of it changes a value):
 * ``compiled_dims``: ``"nk"`` for block B (a weight: N and K fixed, M = tokens varies) and ``"mn"``
   for group B (wgrad: K = tokens varies), so a new batch size does not force a recompile.
 * A ``RuntimeError`` from DeepGEMM (a host assertion, or a failed JIT compile) becomes
-  ``NotImplementedError``, so the automatic choice falls through to the next backend.
+  ``NotImplementedError`` (once automatic, the choice would fall through to the next backend).
 """
 
 from __future__ import annotations
@@ -153,5 +157,7 @@ def deepgemm_fp8_gemm_nt(
 
 
 if _deep_gemm is not None:
-    # DESIGN §7: DeepGEMM → scaled_mm (20) → Triton (10) → emulated (0).
-    register_gemm_backend("deepgemm", deepgemm_fp8_gemm_nt, is_available=deepgemm_available, priority=30)
+    # Priority 30 (above scaled_mm's 20) takes effect only once it is not opt-in.
+    register_gemm_backend(
+        "deepgemm", deepgemm_fp8_gemm_nt, is_available=deepgemm_available, priority=30, opt_in=True
+    )

@@ -7,12 +7,19 @@
 * ``b = (b_fp8 [N, K], b_scale)`` with ``b_scale`` fp32 ``[ceil(N/128), ceil(K/128)]``
   (``b_granularity="block"``, 128×128) or ``[N, ceil(K/128)]`` (``"group"``, 1×128 along K).
 
-Backends register with a priority; the highest-priority backend available for the operands'
-device runs. Forcing one: the ``backend=`` argument, then :func:`use_gemm_backend`, then the env
-variable ``JETRL_GEMM_BACKEND``. A forced backend that is unknown or unavailable is a
-``ValueError`` naming the available ones. In automatic mode a backend may raise
-``NotImplementedError`` for a shape it does not support; the next one is tried (the emulated
-backend supports everything).
+Backends register with a priority. The automatic choice tries, highest priority first, the
+backends available on the operands' device that are not *opt-in*; a backend may raise
+``NotImplementedError`` for a shape it does not support, and the next one is tried (the emulated
+backend supports everything). An opt-in backend (``deepgemm``, until a GPU test has run it
+against a real DeepGEMM) runs only when forced. Forcing one: the ``backend=`` argument, then
+:func:`use_gemm_backend`, then the env variable ``JETRL_GEMM_BACKEND`` (e.g.
+``JETRL_GEMM_BACKEND=deepgemm``). A forced backend that is unknown or unavailable is a
+``ValueError`` naming the available ones; a forced backend's ``NotImplementedError`` propagates.
+
+Per-call cost: the priority order, each backend's availability per device, the automatic chain
+per device and ``JETRL_GEMM_BACKEND`` are resolved once, not per GEMM. Registering a backend
+resets them; so does ``jetrl_trainer.kernels.reset_kernel_caches()`` (after changing the env
+variable in a running process).
 """
 
 from __future__ import annotations
@@ -27,18 +34,21 @@ from typing import Union
 
 import torch
 
+from jetrl_trainer._choices import GRANULARITIES, check_choice
+
 __all__ = [
     "GRANULARITIES",
     "GemmFn",
+    "auto_gemm_backends",
     "available_gemm_backends",
     "fp8_gemm_nt",
     "forced_gemm_backend",
     "register_gemm_backend",
     "registered_gemm_backends",
+    "reset_gemm_caches",
     "use_gemm_backend",
 ]
 
-GRANULARITIES = ("block", "group")
 _FP8 = torch.float8_e4m3fn
 _GROUP = 128
 _ENV = "JETRL_GEMM_BACKEND"
@@ -54,6 +64,7 @@ class _Backend:
     fn: GemmFn
     is_available: Availability
     priority: int
+    opt_in: bool
 
     def available_on(self, device: torch.device) -> bool:
         if callable(self.is_available):
@@ -64,37 +75,82 @@ class _Backend:
 _backends: dict[str, _Backend] = {}
 _forced = threading.local()
 
+# Resolved once (see the module docstring); reset_gemm_caches() empties them.
+_order: list[_Backend] = []  # registered, highest priority first; empty = not built yet
+_availability: dict[tuple[str, torch.device], bool] = {}  # availability checks may query the driver
+_auto: dict[torch.device, tuple[_Backend, ...]] = {}
+_env: list[Union[str, None]] = []  # [JETRL_GEMM_BACKEND or None]; empty = not read yet
 
-def register_gemm_backend(name: str, fn: GemmFn, *, is_available: Availability, priority: int) -> None:
-    """Register (or replace) a backend. ``is_available`` is a bool or ``device -> bool``."""
+
+def register_gemm_backend(
+    name: str, fn: GemmFn, *, is_available: Availability, priority: int, opt_in: bool = False
+) -> None:
+    """Register (or replace) a backend. ``is_available`` is a bool or ``device -> bool``.
+
+    ``opt_in=True`` keeps it out of the automatic choice: it runs only when forced by name.
+    """
     if not name or not isinstance(name, str):
         raise ValueError(f"backend name must be a non-empty string; got {name!r}.")
     if not callable(fn):
         raise ValueError(f"backend {name!r}: fn must be callable.")
-    _backends[name] = _Backend(name, fn, is_available, int(priority))
-    _availability_cache.clear()
+    _backends[name] = _Backend(name, fn, is_available, int(priority), bool(opt_in))
+    reset_gemm_caches()
 
 
-_availability_cache: dict[tuple[str, str], bool] = {}
+def reset_gemm_caches() -> None:
+    """Drop the resolved order, availability, automatic chains and ``JETRL_GEMM_BACKEND`` value."""
+    for cache in (_order, _availability, _auto, _env):
+        cache.clear()
+
+
+def _sorted() -> list[_Backend]:
+    if not _order:
+        _order[:] = sorted(_backends.values(), key=lambda b: -b.priority)  # one atomic store
+    return _order
 
 
 def _available(backend: _Backend, device: torch.device) -> bool:
-    # Availability checks may query the driver; cache them per (backend, device).
-    key = (backend.name, str(device))
-    if key not in _availability_cache:
-        _availability_cache[key] = backend.available_on(device)
-    return _availability_cache[key]
+    key = (backend.name, device)
+    hit = _availability.get(key)
+    if hit is None:
+        hit = _availability[key] = backend.available_on(device)
+    return hit
+
+
+def _auto_chain(device: torch.device) -> tuple[_Backend, ...]:
+    chain = _auto.get(device)
+    if chain is None:
+        chain = _auto[device] = tuple(b for b in _sorted() if not b.opt_in and _available(b, device))
+    return chain
+
+
+def _env_forced() -> Union[str, None]:
+    if not _env:
+        _env[:] = [os.environ.get(_ENV) or None]
+    return _env[0]
+
+
+def _as_device(device: Union[torch.device, str, None]) -> torch.device:
+    return torch.device(device if device is not None else "cpu")
 
 
 def registered_gemm_backends() -> list[str]:
-    """All registered names, highest priority first."""
-    return [b.name for b in sorted(_backends.values(), key=lambda b: -b.priority)]
+    """All registered names, highest priority first (opt-in ones included)."""
+    return [b.name for b in _sorted()]
 
 
 def available_gemm_backends(device: Union[torch.device, str, None] = None) -> list[str]:
-    """Names of the backends that can run on ``device`` (default CPU), highest priority first."""
-    dev = torch.device(device if device is not None else "cpu")
-    return [name for name in registered_gemm_backends() if _available(_backends[name], dev)]
+    """Names of the backends that can run on ``device`` (default CPU), highest priority first.
+
+    Opt-in backends are included (they can be forced); :func:`auto_gemm_backends` leaves them out.
+    """
+    dev = _as_device(device)
+    return [b.name for b in _sorted() if _available(b, dev)]
+
+
+def auto_gemm_backends(device: Union[torch.device, str, None] = None) -> list[str]:
+    """The backends the automatic choice tries on ``device`` (default CPU), in order."""
+    return [b.name for b in _auto_chain(_as_device(device))]
 
 
 @contextlib.contextmanager
@@ -124,8 +180,7 @@ def _check_registered(name: str) -> None:
 
 
 def _check_operands(a_q, a_s, b_q, b_s, b_granularity: str) -> None:
-    if b_granularity not in GRANULARITIES:
-        raise ValueError(f"Unknown b_granularity {b_granularity!r}; allowed: {', '.join(GRANULARITIES)}.")
+    check_choice("b_granularity", b_granularity, GRANULARITIES)
     for what, q in (("a", a_q), ("b", b_q)):
         if q.dtype != _FP8 or q.dim() != 2:
             raise ValueError(f"{what} data must be 2-D float8_e4m3fn; got {q.dtype} of shape {tuple(q.shape)}.")
@@ -151,16 +206,16 @@ def fp8_gemm_nt(
     (a_q, a_s), (b_q, b_s) = a, b
     _check_operands(a_q, a_s, b_q, b_s, b_granularity)
     device = a_q.device
-    forced = backend or getattr(_forced, "name", None) or os.environ.get(_ENV) or None
+    forced = backend or getattr(_forced, "name", None) or _env_forced()
     if forced is not None:
         _check_registered(forced)
         if not _available(_backends[forced], device):
             available = ", ".join(available_gemm_backends(device))
             raise ValueError(f"GEMM backend {forced!r} is not available on {device}; available: {available}.")
         return _backends[forced].fn(a_q, a_s, b_q, b_s, b_granularity, out_dtype)
-    for name in available_gemm_backends(device):
+    for chosen in _auto_chain(device):
         try:
-            return _backends[name].fn(a_q, a_s, b_q, b_s, b_granularity, out_dtype)
+            return chosen.fn(a_q, a_s, b_q, b_s, b_granularity, out_dtype)
         except NotImplementedError:
             continue  # this backend does not cover the shape / dtype; try the next one
     raise ValueError(f"No GEMM backend could run on {device}; registered: {', '.join(registered_gemm_backends())}.")

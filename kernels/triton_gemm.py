@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import torch
 
+from jetrl_trainer._choices import FLOAT_DTYPES, check_choice
 from jetrl_trainer.kernels._triton_support import call_op, cdiv, load_jit, triton_available
 from jetrl_trainer.kernels.gemm import register_gemm_backend
 
 __all__ = ["triton_fp8_gemm_nt", "triton_gemm_available"]
 
 _FP8 = torch.float8_e4m3fn
-_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def triton_gemm_available(device: torch.device) -> bool:
@@ -82,8 +82,7 @@ def triton_fp8_gemm_nt(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """``deq(a) @ deq(b).T`` with FP32 accumulation; operands as in ``kernels/gemm.py``."""
-    if out_dtype not in _OUT_DTYPES:
-        raise ValueError(f"out_dtype must be one of {_OUT_DTYPES}; got {out_dtype}.")
+    check_choice("out_dtype", out_dtype, FLOAT_DTYPES)
     a_q = a_q if a_q.stride(-1) == 1 else a_q.contiguous()
     b_q = b_q if b_q.stride(-1) == 1 else b_q.contiguous()
     return call_op(_gemm_op, a_q, a_s, b_q, b_s, b_granularity == "block", out_dtype)

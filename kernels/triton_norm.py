@@ -1,17 +1,10 @@
-"""RMSNorm + FP8 quantization in one kernel, and the pure-torch reference it reproduces bit for bit.
+"""RMSNorm + FP8 quantization in one kernel, bit-identical to its pure-torch reference.
 
-``rmsnorm_reference`` follows Qwen3/Llama's ``RMSNorm.forward`` op for op — FP32 variance, the
-normalised row cast back to the input dtype, *then* multiplied by the weight in the promoted
-dtype — with two departures that make it exactly reproducible by a kernel:
-
-* the mean of squares is summed in a fixed pairwise tree (adjacent pairs, level by level, the row
-  zero-padded to a power of two) instead of ATen's reduction order, which no kernel can replicate;
-* ``x / sqrt(var + eps)`` (IEEE ``sqrt`` and division) instead of ``x * rsqrt(var + eps)``:
-  ``rsqrt`` is an approximate hardware instruction, and the IEEE form is also nearer the exact value.
-
-So the result can differ from ``transformers``' module in the last bit of some elements (tests
-bound it: ≤ 1 BF16 ulp); the fused kernel equals the reference exactly. ``rmsnorm_quant_fp8``
-returns ``(y, q, s)`` with ``(q, s) == quantize_fp8_groups(y)`` as computed on CUDA.
+The reference is ``jetrl_trainer.quant.reference.rmsnorm_reference`` (Qwen3/Llama's RMSNorm with
+a fixed pairwise-tree mean of squares and ``x / sqrt(var + eps)``, so that a kernel can reproduce
+it; see that module for the departures). ``rmsnorm_quant_fp8`` returns ``(y, q, s)`` with
+``y == rmsnorm_reference(x, weight, eps)`` and ``(q, s) == quantize_fp8_groups(y)`` as computed on
+CUDA.
 
 Layout: ``x [M, K]`` (fp32/bf16/fp16, unit stride along K) and ``weight [K]`` on CUDA;
 ``y [M, K]`` in ``promote_types(x.dtype, weight.dtype)``, ``q [M, K] float8_e4m3fn``,
@@ -21,34 +14,14 @@ Layout: ``x [M, K]`` (fp32/bf16/fp16, unit stride along K) and ``weight [K]`` on
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from ._triton_support import call_op, cdiv, check_cuda_2d, load_jit
+from ._triton_support import call_op, cdiv, check_cuda_2d, check_scale_format, load_jit
 
-__all__ = ["rmsnorm_backward", "rmsnorm_quant_fp8", "rmsnorm_reference"]
+__all__ = ["rmsnorm_backward", "rmsnorm_quant_fp8"]
 
 _FP8 = torch.float8_e4m3fn
 _GROUP = 128
 _MAX_K = 65536
-
-
-def _pairwise_sum(v: torch.Tensor) -> torch.Tensor:
-    """Sum over the last dim in the kernel's tree: zero-pad to 2^n, then add adjacent pairs."""
-    width = 1 << max(0, (v.shape[-1] - 1).bit_length())
-    v = F.pad(v, (0, width - v.shape[-1]))
-    while v.shape[-1] > 1:
-        v = v[..., 0::2] + v[..., 1::2]
-    return v
-
-
-def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm as the fused kernel computes it (see the module docstring for the two departures)."""
-    xf = x.float()
-    total = _pairwise_sum(xf * xf)  # (..., 1)
-    # A tensor divisor: on CUDA, `t / K` with a Python scalar is run as `t * (1/K)`.
-    var = total / torch.full_like(total, float(x.shape[-1]))
-    h = xf / torch.sqrt(var + eps)
-    return weight * h.to(x.dtype)
 
 
 @torch.library.custom_op("jetrl::rmsnorm_quant_fp8", mutates_args=(), device_types="cuda")
@@ -87,8 +60,7 @@ def rmsnorm_quant_fp8(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``y = rmsnorm_reference(x, weight, eps)`` and ``(q, s) = quantize_fp8_groups(y)``, in one pass."""
     check_cuda_2d(x, "x")
-    if scale_format not in ("fp32", "ue8m0"):
-        raise ValueError(f"Unknown scale_format {scale_format!r}; allowed: fp32, ue8m0.")
+    check_scale_format(scale_format)
     if weight.dim() != 1 or weight.shape[0] != x.shape[1] or weight.device != x.device:
         raise ValueError(f"weight must be a 1-D tensor of {x.shape[1]} elements on {x.device}; got {tuple(weight.shape)} on {weight.device}.")
     if x.shape[1] > _MAX_K:

@@ -25,19 +25,11 @@ from __future__ import annotations
 
 import torch
 
-from ._triton_support import call_op, cdiv, check_cuda_2d, check_group, load_jit, triton_available
+from ._triton_support import call_op, cdiv, check_cuda_2d, check_group, check_scale_format, load_jit
 
-__all__ = [
-    "act_quant_fp8",
-    "act_quant_fp8_both",
-    "requant_transpose_fp8",
-    "transpose_fp8_blocks",
-    "triton_available",
-    "weight_quant_fp8",
-]
+__all__ = ["act_quant_fp8", "requant_transpose_fp8", "transpose_fp8_blocks", "weight_quant_fp8"]
 
 _FP8 = torch.float8_e4m3fn
-_SCALE_FORMATS = ("fp32", "ue8m0")
 
 # Launch parameters, measured on an H200 (benchmarks/tune_quant_kernels.py sweeps them).
 # act: rows per program, 128-groups per program, warps; "_t" is for transposed (stride(0) == 1) input.
@@ -47,13 +39,7 @@ LAUNCH = {
     "weight": (16,),
     "requant_t": (32, 4, False),  # BLOCK_K, warps, transpose the FP32 tile (not the FP8 bytes)
     "transpose": (64, 256, 8),  # BLOCK_R, BLOCK_C, warps
-    "both": (4, False),  # warps, transpose the FP32 tile
 }
-
-
-def _check_scale_format(scale_format: str) -> None:
-    if scale_format not in _SCALE_FORMATS:
-        raise ValueError(f"Unknown scale_format {scale_format!r}; allowed: {', '.join(_SCALE_FORMATS)}.")
 
 
 def _unit_stride(x: torch.Tensor) -> torch.Tensor:
@@ -100,7 +86,7 @@ def act_quant_fp8(
     """
     check_cuda_2d(x, "x")
     check_group(group)
-    _check_scale_format(scale_format)
+    check_scale_format(scale_format)
     return call_op(_act_quant_op, x, group, scale_format)
 
 
@@ -138,7 +124,7 @@ def weight_quant_fp8(
     """
     check_cuda_2d(w, "weight")
     check_group(block, "block")
-    _check_scale_format(scale_format)
+    check_scale_format(scale_format)
     return call_op(_weight_quant_op, _unit_stride(w), block, scale_format)
 
 
@@ -182,7 +168,7 @@ def requant_transpose_fp8(
     check_cuda_2d(q, "q", (_FP8,))
     check_cuda_2d(s, "s", (torch.float32,))
     check_group(group)
-    _check_scale_format(scale_format)
+    check_scale_format(scale_format)
     expected = (q.shape[0], cdiv(q.shape[1], group))
     if tuple(s.shape) != expected:
         raise ValueError(f"s has shape {tuple(s.shape)}; expected {expected} for q {tuple(q.shape)}, group={group}.")
@@ -222,49 +208,3 @@ def transpose_fp8_blocks(q: torch.Tensor, s_inv: torch.Tensor) -> tuple[torch.Te
     check_cuda_2d(q, "q", (_FP8,))
     check_cuda_2d(s_inv, "s_inv", (torch.float32,))
     return call_op(_transpose_blocks_op, _unit_stride(q), s_inv)
-
-
-# --------------------------------------------------------------------------------------------
-# act_quant_fp8_both: dY for DGrad (along N) and dY^T for WGrad (along tokens) from one read
-# --------------------------------------------------------------------------------------------
-@torch.library.custom_op("jetrl::act_quant_fp8_both", mutates_args=(), device_types="cuda")
-def _act_quant_both_op(
-    x: torch.Tensor, group: int, scale_format: str
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    jit = load_jit("_triton_quant_jit")
-    m, k = x.shape
-    q = torch.empty((m, k), dtype=_FP8, device=x.device)
-    s = torch.empty((m, cdiv(k, group)), dtype=torch.float32, device=x.device)
-    qt = torch.empty((k, m), dtype=_FP8, device=x.device)
-    st = torch.empty((k, cdiv(m, group)), dtype=torch.float32, device=x.device)
-    if m and k:
-        jit.act_quant_both_kernel[(cdiv(m, group), cdiv(k, group))](
-            x, q.view(torch.uint8), s, qt.view(torch.uint8), st, m, k,
-            x.stride(0), q.stride(0), s.stride(0), qt.stride(0), st.stride(0),
-            GROUP=group, UE8M0=scale_format == "ue8m0", TRANS_F32=LAUNCH["both"][1], num_warps=LAUNCH["both"][0],
-        )
-    return q, s, qt, st
-
-
-@_act_quant_both_op.register_fake
-def _(x, group, scale_format):
-    m, k = x.shape
-    return (x.new_empty((m, k), dtype=_FP8), x.new_empty((m, cdiv(k, group)), dtype=torch.float32),
-            x.new_empty((k, m), dtype=_FP8), x.new_empty((k, cdiv(m, group)), dtype=torch.float32))
-
-
-def act_quant_fp8_both(
-    x: torch.Tensor, *, group: int = 128, scale_format: str = "fp32"
-) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
-    """Both FP8 views of ``x [M, K]`` the backward needs, from a single read of ``x``.
-
-    Returns ``((q, s), (qt, st))`` with ``(q, s) == quantize_fp8_groups(x)`` (1×group along K:
-    the DGrad operand dY) and ``(qt, st) == quantize_fp8_groups(x.t().contiguous())`` (1×group along
-    M, stored ``[K, M]``: the WGrad operand dYᵀ), bit for bit. Saves one full read of ``x`` and the
-    transposed copy against two ``act_quant_fp8`` calls. ``x`` needs unit stride along K.
-    """
-    check_cuda_2d(x, "x")
-    check_group(group)
-    _check_scale_format(scale_format)
-    q, s, qt, st = call_op(_act_quant_both_op, _unit_stride(x), group, scale_format)
-    return (q, s), (qt, st)

@@ -1,12 +1,11 @@
-"""SwiGLU (``silu(gate) * up``) + FP8 quantization in one kernel, and its pure-torch reference.
+"""SwiGLU (``silu(gate) * up``) + FP8 quantization in one kernel, bit-identical to its reference.
 
-``swiglu_reference`` is exactly what Qwen3/Llama's MLP computes between ``gate_proj``/``up_proj``
-and ``down_proj``: ``F.silu(gate) * up`` in the input dtype (SiLU rounded to the dtype, then the
-product rounded again). The kernel reproduces ATen's CUDA formula ``g / (1 + expf(-g))`` with the
-same libdevice ``expf`` and an IEEE division, so on CUDA it equals the reference (and hence the
-unfused module) bit for bit; ``(q, s) == quantize_fp8_groups(h)`` as computed on CUDA. No
-departure from the baseline; on CPU the reference uses ATen's vectorised ``exp``, which is a
-different function, so CPU and GPU results are not comparable bit for bit.
+The reference is ``jetrl_trainer.quant.reference.swiglu_reference``: exactly ``F.silu(gate) * up``
+in the input dtype, as Qwen3/Llama's MLP computes it. The kernel reproduces ATen's CUDA formula
+``g / (1 + expf(-g))`` with the same libdevice ``expf`` and an IEEE division, so on CUDA it equals
+the reference (and hence the unfused module) bit for bit; ``(q, s) == quantize_fp8_groups(h)`` as
+computed on CUDA. On CPU the reference uses ATen's vectorised ``exp``, a different function, so
+CPU and GPU results are not comparable bit for bit.
 
 Layout: ``gate``, ``up`` ``[M, K]`` of one dtype (fp32/bf16/fp16, unit stride along K) on CUDA;
 returns ``h [M, K]`` (that dtype), ``q [M, K] float8_e4m3fn``, ``s [M, ceil(K/128)] float32``,
@@ -16,19 +15,13 @@ all contiguous.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from ._triton_support import call_op, cdiv, check_cuda_2d, load_jit
+from ._triton_support import call_op, cdiv, check_cuda_2d, check_scale_format, load_jit
 
-__all__ = ["swiglu_quant_fp8", "swiglu_reference"]
+__all__ = ["swiglu_quant_fp8"]
 
 _FP8 = torch.float8_e4m3fn
 _GROUP = 128
-
-
-def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` exactly as ``Qwen3MLP`` / ``LlamaMLP`` compute it."""
-    return F.silu(gate) * up
 
 
 @torch.library.custom_op("jetrl::swiglu_quant_fp8", mutates_args=(), device_types="cuda")
@@ -71,8 +64,7 @@ def swiglu_quant_fp8(
     """``h = swiglu_reference(gate, up)`` and ``(q, s) = quantize_fp8_groups(h)``, in one pass."""
     check_cuda_2d(gate, "gate")
     check_cuda_2d(up, "up")
-    if scale_format not in ("fp32", "ue8m0"):
-        raise ValueError(f"Unknown scale_format {scale_format!r}; allowed: fp32, ue8m0.")
+    check_scale_format(scale_format)
     if gate.shape != up.shape or gate.dtype != up.dtype or gate.device != up.device:
         raise ValueError(
             f"gate and up must match in shape, dtype and device; got {tuple(gate.shape)} {gate.dtype} {gate.device} "

@@ -1,19 +1,19 @@
 """The one place that picks a fast Triton kernel or the pure-torch reference for FP8 quantization.
 
-The kernel runs when the tensor is on CUDA, ``jetrl_trainer.kernels`` exports it, Triton works
-(``kernels.triton_available()``) and ``JETRL_DISABLE_TRITON`` is not ``"1"``; otherwise the
-reference in :mod:`jetrl_trainer.quant.fp8` runs. Both produce the same bits (kernel tests check).
+The kernel runs when the tensor is on CUDA, ``kernels/triton_quant.py`` imported
+(``kernels.optional_module``), Triton works and ``JETRL_DISABLE_TRITON`` is not ``"1"``
+(``kernels.triton_enabled()``, read once); otherwise the reference in
+:mod:`jetrl_trainer.quant.fp8` runs. Both produce the same bits (kernel tests check).
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Optional
 
 import torch
 
-import jetrl_trainer.kernels as kernels
+from jetrl_trainer import kernels
 from jetrl_trainer.quant._handoff import take_prequantized
 from jetrl_trainer.quant.fp8 import dequantize_fp8_groups, quantize_fp8_blocks, quantize_fp8_groups
 
@@ -23,13 +23,10 @@ Pair = tuple[torch.Tensor, torch.Tensor]
 
 
 def _kernel(name: str, x: torch.Tensor) -> Optional[Callable[..., Pair]]:
-    if not x.is_cuda or os.environ.get("JETRL_DISABLE_TRITON") == "1":
+    if not x.is_cuda or not kernels.triton_enabled():
         return None
-    fn = getattr(kernels, name, None)
-    available = getattr(kernels, "triton_available", None)
-    if fn is None or available is None or not available():
-        return None
-    return fn
+    module = kernels.optional_module("triton_quant")
+    return getattr(module, name) if module is not None else None
 
 
 def act_quant_fp8(x2d: torch.Tensor, scale_format: str = "fp32") -> Pair:

@@ -1,7 +1,7 @@
 """FP8 E4M3 reference quantizers: the numerics contract (DESIGN §3), in pure torch.
 
-Every other FP8 path — the Triton kernels, the rollout, the training forward and the exporter —
-must reproduce these functions bit for bit, so they are written for clarity, not speed.
+Every other FP8 path — the Triton kernels, the rollout and the training forward — must reproduce
+these functions bit for bit, so they are written for clarity, not speed.
 
 * scale ``s = max(amax, 1e-10) * fp32(1/448)`` in FP32. This departs from the literal ``/ 448``
   of DESIGN §3 on purpose: on CUDA, ATen runs ``tensor / 448.0`` as a multiply by the FP32
@@ -22,6 +22,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from jetrl_trainer._choices import FLOAT_DTYPES, SCALE_FORMATS, check_choice
+
 __all__ = [
     "FP8_DTYPE",
     "FP8_MAX",
@@ -37,24 +39,11 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 _AMAX_FLOOR = 1e-10
 _INV_FP8_MAX = 1.0 / FP8_MAX  # rounded to FP32 by the multiply, as ATen's CUDA division does
-SCALE_FORMATS = ("fp32", "ue8m0")
-_FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _check_float(x: torch.Tensor, what: str) -> None:
-    if x.dtype not in _FLOAT_INPUTS:
-        allowed = ", ".join(str(d).removeprefix("torch.") for d in _FLOAT_INPUTS)
-        raise ValueError(f"{what} must be one of {allowed}; got {x.dtype}.")
-
-
-def _check_scale_format(scale_format: str) -> None:
-    if scale_format not in SCALE_FORMATS:
-        raise ValueError(f"Unknown scale_format {scale_format!r}; allowed: {', '.join(SCALE_FORMATS)}.")
 
 
 def fp8_scale_from_amax(amax: torch.Tensor, scale_format: str = "fp32") -> torch.Tensor:
     """FP32 dequantization scale for the given FP32 amax (``x ≈ q * scale``)."""
-    _check_scale_format(scale_format)
+    check_choice("scale_format", scale_format, SCALE_FORMATS)
     scale = torch.clamp(amax.float(), min=_AMAX_FLOOR) * _INV_FP8_MAX  # clamp keeps NaN as NaN
     if scale_format == "ue8m0":
         # Round up to 2^k exactly: frexp gives scale = m * 2^e with m in [0.5, 1).
@@ -83,8 +72,8 @@ def quantize_fp8_groups(
     Returns ``(q, scale)``: ``q`` is ``float8_e4m3fn`` shaped like ``x``; ``scale`` is FP32 shaped
     ``[..., ceil(K / group)]``. Each row is quantized on its own (batch invariant by construction).
     """
-    _check_float(x, "x")
-    _check_scale_format(scale_format)
+    check_choice("x dtype", x.dtype, FLOAT_DTYPES)
+    check_choice("scale_format", scale_format, SCALE_FORMATS)
     if x.dim() < 1 or group <= 0:
         raise ValueError(f"x needs at least one dim and group must be positive; got shape {tuple(x.shape)}, group={group}.")
     k = x.shape[-1]
@@ -116,8 +105,8 @@ def quantize_fp8_blocks(
     ``[ceil(N / block), ceil(K / block)]`` — the dequantization multiplier, named as in vLLM and
     transformers block-FP8 checkpoints.
     """
-    _check_float(w, "weight")
-    _check_scale_format(scale_format)
+    check_choice("weight dtype", w.dtype, FLOAT_DTYPES)
+    check_choice("scale_format", scale_format, SCALE_FORMATS)
     if w.dim() != 2:
         raise ValueError(f"weight must be 2-D [out_features, in_features]; got shape {tuple(w.shape)}.")
     n, k = w.shape

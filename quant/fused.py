@@ -15,41 +15,36 @@ version, held only while that tensor lives). The hand-off is bit-exact by constr
 kernels' ``(q, s)`` equal ``quantize_fp8_groups`` of their output — so it changes speed, not values.
 
 Departures from the modules they replace:
-* RMSNorm is ``kernels.triton_norm.rmsnorm_reference`` (pairwise-tree mean of squares and
+* RMSNorm is ``quant.reference.rmsnorm_reference`` (pairwise-tree mean of squares and
   ``x / sqrt(var + eps)`` instead of ``x * rsqrt(...)``): ≤ 1 BF16 ulp from transformers' module,
   identical on CPU and GPU, identical in rollout and training (both phases use this module);
 * SwiGLU is exactly ``F.silu(gate) * up`` (no departure);
 * the RMSNorm backward is one FP32 kernel from the saved input (not autograd through the casts);
   the SwiGLU backward is exactly autograd's (``silu_backward`` and two products, input dtype).
 Falls back cleanly: layers of other shapes (LayerNorm, GELU MLPs, norms with a bias, LLaDA's
-inline SwiGLU) are left untouched, and off CUDA / without Triton the pure-torch references run.
+inline SwiGLU) are left untouched, and off CUDA, without Triton, or when a GPU kernel module
+failed to import (``kernels.optional_module``) the pure-torch references run.
 
-To take effect the consumer must look the pair up: ``quant/_dispatch.act_quant_fp8`` should
-start with ``hit = take_prequantized(x2d, scale_format); if hit is not None: return hit``.
+The consumer side is ``quant/_dispatch.act_quant_fp8``: it serves an offered pair before
+quantizing anything itself.
 """
 
 from __future__ import annotations
 
-import os
 import weakref
+from types import ModuleType
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from jetrl_trainer.kernels import (
-    rmsnorm_backward,
-    rmsnorm_quant_fp8,
-    rmsnorm_reference,
-    swiglu_quant_fp8,
-    swiglu_reference,
-    triton_available,
-)
+from jetrl_trainer import kernels
 from jetrl_trainer.quant._handoff import offer_prequantized, take_prequantized
 from jetrl_trainer.quant.linear import QuantLinear
 from jetrl_trainer.quant.phase import current_phase
 from jetrl_trainer.quant.recipe import FP8Recipe
+from jetrl_trainer.quant.reference import rmsnorm_reference, swiglu_reference
 
 __all__ = [
     "FusedRMSNorm",
@@ -64,8 +59,15 @@ __all__ = [
 Pair = tuple[torch.Tensor, torch.Tensor]
 
 
-def _use_kernels(x: torch.Tensor) -> bool:
-    return x.is_cuda and triton_available() and os.environ.get("JETRL_DISABLE_TRITON") != "1"
+def _use_kernels(x: torch.Tensor, module: str) -> bool:
+    """Whether the GPU kernels of ``module`` run on ``x`` (else the pure-torch reference)."""
+    return x.is_cuda and kernels.triton_enabled() and kernels.optional_module(module) is not None
+
+
+def _gpu(module: str) -> ModuleType:
+    loaded = kernels.optional_module(module)
+    assert loaded is not None, "only called after _use_kernels() said yes"
+    return loaded
 
 
 def _fp8_format(consumer: Optional[nn.Module]) -> Optional[str]:
@@ -85,7 +87,7 @@ def _fp8_format(consumer: Optional[nn.Module]) -> Optional[str]:
 class _RMSNormQuantFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2d, weight, eps, scale_format):
-        y, q, s = rmsnorm_quant_fp8(x2d, weight, eps, scale_format=scale_format)
+        y, q, s = _gpu("triton_norm").rmsnorm_quant_fp8(x2d, weight, eps, scale_format=scale_format)
         ctx.save_for_backward(x2d, weight)
         ctx.eps = eps
         ctx.mark_non_differentiable(q, s)
@@ -95,7 +97,7 @@ class _RMSNormQuantFunction(torch.autograd.Function):
     def backward(ctx, dy, _dq, _ds):
         x, w = ctx.saved_tensors
         # y = w * h, h = x * r, r = (mean(x²) + eps)^-1/2  →  dx = r * (dh - h * mean(dh * h)), one kernel
-        dx, dw = rmsnorm_backward(x, w, dy, ctx.eps)
+        dx, dw = _gpu("triton_norm").rmsnorm_backward(x, w, dy, ctx.eps)
         return dx, dw, None, None
 
 
@@ -114,7 +116,7 @@ class FusedRMSNorm(nn.Module):
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, fused_fp8_quant=True"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not _use_kernels(x):
+        if not _use_kernels(x, "triton_norm"):
             return rmsnorm_reference(x, self.weight, self.variance_epsilon)
         fmt = _fp8_format(self._consumer())
         x2d = x.reshape(-1, x.shape[-1])
@@ -133,7 +135,7 @@ class FusedRMSNorm(nn.Module):
 class _SwiGLUQuantFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up, scale_format):
-        h, q, s = swiglu_quant_fp8(gate, up, scale_format=scale_format)
+        h, q, s = _gpu("triton_swiglu").swiglu_quant_fp8(gate, up, scale_format=scale_format)
         ctx.save_for_backward(gate, up)
         ctx.mark_non_differentiable(q, s)
         return h, q, s
@@ -157,7 +159,7 @@ class FusedSwiGLUMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_proj(x), self.up_proj(x)
-        if not _use_kernels(gate) or gate.dtype != up.dtype:
+        if not _use_kernels(gate, "triton_swiglu") or gate.dtype != up.dtype:
             return self.down_proj(swiglu_reference(gate, up))
         fmt = _fp8_format(self.down_proj)
         g2d, u2d = gate.reshape(-1, gate.shape[-1]), up.reshape(-1, up.shape[-1])
@@ -242,4 +244,9 @@ def unfuse_norm_and_swiglu(model: nn.Module) -> nn.Module:
 
 def should_fuse(recipes: dict) -> bool:
     """Fuse by default only where it pays and is exact: CUDA with Triton, and an FP8 phase."""
-    return torch.cuda.is_available() and triton_available() and any(isinstance(r, FP8Recipe) for r in recipes.values())
+    return (
+        torch.cuda.is_available()
+        and kernels.triton_available()
+        and all(kernels.optional_module(m) is not None for m in ("triton_norm", "triton_swiglu"))
+        and any(isinstance(r, FP8Recipe) for r in recipes.values())
+    )

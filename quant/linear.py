@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from jetrl_trainer._choices import FLOAT_DTYPES, check_choice
 from jetrl_trainer.kernels import fp8_gemm_nt, forced_gemm_backend
 from jetrl_trainer.quant._dispatch import act_quant_fp8, requant_transpose_fp8, transpose_fp8_blocks, weight_quant_fp8
 from jetrl_trainer.quant.nvfp4 import NVFP4Tensor, dequantize_nvfp4, quantize_nvfp4
@@ -46,7 +47,6 @@ from jetrl_trainer.quant.stats import record_gemm
 
 __all__ = ["QuantLinear", "invalidate_weight_caches"]
 
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _generation = 0
 
 
@@ -61,10 +61,6 @@ def _after_optimizer_step(optimizer, args, kwargs) -> None:
 
 
 register_optimizer_step_post_hook(_after_optimizer_step)
-
-
-def _dtype_names(dtypes) -> str:
-    return ", ".join(str(d).removeprefix("torch.") for d in dtypes)
 
 
 def _needs_autograd(*tensors: Optional[torch.Tensor]) -> bool:
@@ -253,10 +249,8 @@ class QuantLinear(nn.Linear):
         missing = [p for p in PHASES if p not in recipes]
         if missing:
             raise ValueError(f"QuantLinear needs a recipe for every phase; missing: {', '.join(missing)}.")
-        if any(r.quantized for r in recipes.values()) and self.weight.dtype not in _FLOAT_DTYPES:
-            raise ValueError(
-                f"cannot quantize a {self.weight.dtype} weight; allowed dtypes: {_dtype_names(_FLOAT_DTYPES)}."
-            )
+        if any(r.quantized for r in recipes.values()):
+            check_choice("the dtype of a quantized weight", self.weight.dtype, FLOAT_DTYPES)
         self.recipes = recipes
         self._weight_cache = {}
 
@@ -328,8 +322,7 @@ class QuantLinear(nn.Linear):
         record_gemm(phase, recipe.name)
         if not recipe.quantized:
             return F.linear(x, self.weight, self.bias)
-        if x.dtype not in _FLOAT_DTYPES:
-            raise ValueError(f"QuantLinear input must be one of {_dtype_names(_FLOAT_DTYPES)}; got {x.dtype}.")
+        check_choice("QuantLinear input dtype", x.dtype, FLOAT_DTYPES)
         if x.dim() < 1 or x.shape[-1] != self.in_features:
             raise ValueError(f"QuantLinear expects input [*, {self.in_features}]; got shape {tuple(x.shape)}.")
         if torch.is_autocast_enabled(x.device.type):  # match nn.Linear under autocast

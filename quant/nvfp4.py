@@ -47,6 +47,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from jetrl_trainer._choices import FLOAT_DTYPES, NVFP4_OUTERS, check_choice
+
 __all__ = [
     "E2M1_GRID",
     "E2M1_MAX",
@@ -61,11 +63,9 @@ __all__ = [
 E2M1_GRID: tuple[float, ...] = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E2M1_MAX = 6.0
 NVFP4_BLOCK = 16
-NVFP4_OUTERS = ("token", "tensor")
 _E4M3_MAX = 448.0
 _E4M3_MAX_FOUR_OVER_SIX = 256.0  # leaves room for the ×1.5 of the "max → 4" candidate
 _AMAX_FLOOR = 1e-10
-_FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
@@ -153,11 +153,8 @@ def quantize_nvfp4(x: torch.Tensor, *, outer: str = "token", four_over_six: bool
     ``outer="token"`` gives every row its own FP32 outer scale (activations: batch invariant);
     ``outer="tensor"`` one for the whole tensor (weights). See the module docstring for the recipe.
     """
-    if x.dtype not in _FLOAT_INPUTS:
-        allowed = ", ".join(str(d).removeprefix("torch.") for d in _FLOAT_INPUTS)
-        raise ValueError(f"x must be one of {allowed}; got {x.dtype}.")
-    if outer not in NVFP4_OUTERS:
-        raise ValueError(f"Unknown outer scale {outer!r}; allowed: {', '.join(NVFP4_OUTERS)}.")
+    check_choice("x dtype", x.dtype, FLOAT_DTYPES)
+    check_choice("outer", outer, NVFP4_OUTERS)
     if x.dim() < 1 or x.shape[-1] == 0:
         raise ValueError(f"x needs a non-empty last dim (the blocked one); got shape {tuple(x.shape)}.")
     xf = x.float()

@@ -10,9 +10,9 @@ import contextlib
 import threading
 from collections.abc import Iterator
 
-__all__ = ["PHASES", "current_phase", "precision_phase"]
+from jetrl_trainer._choices import PHASES, check_choice
 
-PHASES: tuple[str, ...] = ("train", "rollout")
+__all__ = ["PHASES", "current_phase", "precision_phase"]
 
 # Thread-local so that a rollout thread (e.g. an async engine) cannot flip the trainer's phase.
 _state = threading.local()
@@ -23,16 +23,10 @@ def current_phase() -> str:
     return getattr(_state, "phase", "train")
 
 
-def check_phase(phase: str) -> str:
-    if phase not in PHASES:
-        raise ValueError(f"Unknown precision phase {phase!r}; allowed phases are {', '.join(PHASES)}.")
-    return phase
-
-
 @contextlib.contextmanager
 def precision_phase(phase: str) -> Iterator[str]:
     """Run the enclosed code in ``phase`` (``"train"`` or ``"rollout"``); phases nest and restore."""
-    check_phase(phase)
+    check_choice("precision phase", phase, PHASES)
     previous = current_phase()
     _state.phase = phase
     try:

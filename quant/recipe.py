@@ -10,12 +10,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar, Union
 
-from jetrl_trainer.quant.fp8 import SCALE_FORMATS
-from jetrl_trainer.quant.phase import PHASES
+from jetrl_trainer._choices import NVFP4_BACKWARDS, PHASES, PRECISIONS, SCALE_FORMATS, check_choice
 
 __all__ = [
     "NVFP4_BACKWARDS",
-    "RECIPE_NAMES",
+    "PRECISIONS",
     "BF16Recipe",
     "FP8Recipe",
     "NVFP4Recipe",
@@ -24,8 +23,6 @@ __all__ = [
     "get_recipe",
     "phase_recipes",
 ]
-
-NVFP4_BACKWARDS = ("dequantized", "high_precision")
 
 
 @dataclass(frozen=True)
@@ -65,8 +62,7 @@ class FP8Recipe(Recipe):
     scale_format: str = "fp32"
 
     def __post_init__(self) -> None:
-        if self.scale_format not in SCALE_FORMATS:
-            raise ValueError(f"Unknown FP8 scale_format {self.scale_format!r}; allowed: {', '.join(SCALE_FORMATS)}.")
+        check_choice("FP8 scale_format", self.scale_format, SCALE_FORMATS)
 
     def __str__(self) -> str:
         suffix = "" if self.scale_format == "fp32" else f",{self.scale_format}"
@@ -89,8 +85,7 @@ class NVFP4Recipe(Recipe):
     four_over_six: bool = True
 
     def __post_init__(self) -> None:
-        if self.backward not in NVFP4_BACKWARDS:
-            raise ValueError(f"Unknown NVFP4 backward {self.backward!r}; allowed: {', '.join(NVFP4_BACKWARDS)}.")
+        check_choice("NVFP4 backward", self.backward, NVFP4_BACKWARDS)
         if not isinstance(self.four_over_six, bool):
             raise ValueError(f"four_over_six must be True or False; got {self.four_over_six!r}.")
 
@@ -99,8 +94,7 @@ class NVFP4Recipe(Recipe):
         return f"nvfp4(e2m1,1x16{fos},bwd={self.backward})"
 
 
-_REGISTRY: dict[str, type[Recipe]] = {"bf16": BF16Recipe, "fp8": FP8Recipe, "nvfp4": NVFP4Recipe}
-RECIPE_NAMES: tuple[str, ...] = tuple(_REGISTRY)
+_REGISTRY: dict[str, type[Recipe]] = {cls.name: cls for cls in (BF16Recipe, FP8Recipe, NVFP4Recipe)}
 RecipeLike = Union[str, Recipe]
 
 
@@ -111,10 +105,11 @@ def get_recipe(name_or_recipe: RecipeLike, **kwargs: object) -> Recipe:
     """
     if isinstance(name_or_recipe, Recipe):
         cls, base = type(name_or_recipe), name_or_recipe
-    elif isinstance(name_or_recipe, str) and name_or_recipe.strip().lower() in _REGISTRY:
-        cls, base = _REGISTRY[name_or_recipe.strip().lower()], None
+    elif isinstance(name_or_recipe, str):
+        cls, base = _REGISTRY[check_choice("recipe", name_or_recipe, PRECISIONS, normalize=True)], None
     else:
-        raise ValueError(f"Unknown recipe {name_or_recipe!r}; allowed: {', '.join(RECIPE_NAMES)} or a Recipe instance.")
+        names = ", ".join(PRECISIONS)
+        raise ValueError(f"recipe must be a name ({names}) or a Recipe instance; got {name_or_recipe!r}.")
     fields = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(kwargs) - fields)
     if unknown:

@@ -10,3 +10,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _kernel_caches_per_test():
+    # The kernels resolve JETRL_GEMM_BACKEND / JETRL_DISABLE_TRITON and the backend order once per
+    # process; set up first, this runs last, after monkeypatch has restored the environment.
+    yield
+    from jetrl_trainer.kernels import reset_kernel_caches
+
+    reset_kernel_caches()

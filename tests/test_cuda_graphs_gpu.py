@@ -9,15 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from jetrl_trainer.kernels import available_gemm_backends, fp8_gemm_nt, triton_available, use_gemm_backend
+from _gpu import gpu_gemm_backends
+from jetrl_trainer.kernels import fp8_gemm_nt, reset_kernel_caches, triton_available, use_gemm_backend
+from jetrl_trainer.quant.testing import assert_bits_equal
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not triton_available(), reason="needs Triton")]
 
-
-def _gpu_backends() -> list[str]:
-    if not torch.cuda.is_available():
-        return []
-    return [b for b in available_gemm_backends("cuda") if b != "emulated"]
 
 
 def _capture(fn, warmup: int = 2) -> torch.cuda.CUDAGraph:
@@ -33,7 +30,7 @@ def _capture(fn, warmup: int = 2) -> torch.cuda.CUDAGraph:
     return graph
 
 
-@pytest.mark.parametrize("backend", _gpu_backends())
+@pytest.mark.parametrize("backend", gpu_gemm_backends())
 def test_quant_and_gemm_capture_and_replay(backend):
     from jetrl_trainer.kernels import act_quant_fp8, requant_transpose_fp8, transpose_fp8_blocks, weight_quant_fp8
 
@@ -56,14 +53,13 @@ def test_quant_and_gemm_capture_and_replay(backend):
     torch.cuda.synchronize()
     captured = {k: (v.clone() if torch.is_tensor(v) else tuple(t.clone() for t in v)) for k, v in out.items()}
     step()  # eager on the same new data
-    assert torch.equal(captured["y"], out["y"])
-    assert torch.equal(captured["wgrad"], out["wgrad"])
-    for got, want in zip(captured["dgrad_b"], out["dgrad_b"]):
-        assert torch.equal(got.view(torch.uint8) if got.dtype != torch.float32 else got,
-                           want.view(torch.uint8) if want.dtype != torch.float32 else want)
+    assert_bits_equal(captured["y"], out["y"], "y")
+    assert_bits_equal(captured["wgrad"], out["wgrad"], "wgrad")
+    for got, want, what in zip(captured["dgrad_b"], out["dgrad_b"], ("dgrad q", "dgrad scale")):
+        assert_bits_equal(got, want, what)
 
 
-@pytest.mark.parametrize("backend", _gpu_backends())
+@pytest.mark.parametrize("backend", gpu_gemm_backends())
 def test_quant_linear_forward_backward_capture(backend, monkeypatch):
     from jetrl_trainer.quant import QuantLinear
 
@@ -74,6 +70,7 @@ def test_quant_linear_forward_backward_capture(backend, monkeypatch):
     out = {}
 
     monkeypatch.setenv("JETRL_GEMM_BACKEND", backend)  # process-wide: backward runs on autograd's thread
+    reset_kernel_caches()  # the variable is read once per process
 
     def step():
         layer.weight.grad = layer.bias.grad = x.grad = None
@@ -91,5 +88,5 @@ def test_quant_linear_forward_backward_capture(backend, monkeypatch):
     step()
     want = [out["y"].detach(), x.grad, layer.weight.grad, layer.bias.grad]
     for g, w, what in zip(got, want, ("y", "dx", "dw", "db")):
-        assert torch.equal(g, w), what
+        assert_bits_equal(g, w, what)
     assert layer.weight_quantizations == 1  # the cached FP8 weight was reused inside the graph

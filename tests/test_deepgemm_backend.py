@@ -17,9 +17,10 @@ import pytest
 import torch
 
 from jetrl_trainer.kernels import deepgemm as dg_module
-from jetrl_trainer.kernels import fp8_gemm_nt, gemm
+from jetrl_trainer.kernels import fp8_gemm_nt, gemm, reset_kernel_caches, use_gemm_backend
 from jetrl_trainer.kernels.emulated import emulated_fp8_gemm_nt
 from jetrl_trainer.quant.fp8 import quantize_fp8_blocks, quantize_fp8_groups
+from jetrl_trainer.quant.testing import assert_bits_equal, relative_error
 
 
 def _check(cond: bool, what: str) -> None:
@@ -82,19 +83,20 @@ class FakeDeepGemm(types.ModuleType):
 def load(monkeypatch):
     """Reload kernels/deepgemm.py against a given ``deep_gemm``, in a throwaway registry."""
     monkeypatch.setattr(gemm, "_backends", {k: v for k, v in gemm._backends.items() if k != "deepgemm"})
-    monkeypatch.setattr(gemm, "_availability_cache", {})
     monkeypatch.delenv("JETRL_GEMM_BACKEND", raising=False)
+    reset_kernel_caches()
 
     def _load(fake, capability=(9, 0)):
         monkeypatch.setitem(sys.modules, "deep_gemm", fake)
         module = importlib.reload(dg_module)
         monkeypatch.setattr(module, "_cuda_capability", lambda device: capability)
-        gemm._availability_cache.clear()
+        reset_kernel_caches()
         return module
 
     yield _load
     monkeypatch.undo()
     importlib.reload(dg_module)  # back to this environment's real deep_gemm (or none)
+    reset_kernel_caches()
 
 
 def _operands(m, n, k, granularity, seed=0):
@@ -118,11 +120,12 @@ def test_not_registered_without_fp8_gemm_nt(load):
     assert "deepgemm" not in gemm.registered_gemm_backends()
 
 
-def test_registered_first_and_sm90_only(load):
+def test_registered_opt_in_and_sm90_only(load):
     load(FakeDeepGemm())
     names = gemm.registered_gemm_backends()
-    assert names[0] == "deepgemm" and names.index("deepgemm") < names.index("scaled_mm")  # DESIGN §7
-    assert gemm.available_gemm_backends("cpu")[0] == "deepgemm"
+    assert names[0] == "deepgemm" and names.index("deepgemm") < names.index("scaled_mm")
+    assert gemm.available_gemm_backends("cpu")[0] == "deepgemm"  # it can be forced ...
+    assert "deepgemm" not in gemm.auto_gemm_backends("cpu")  # ... but never runs unasked (not yet GPU-tested)
     for capability, expected in (((9, 0), True), ((10, 0), False), ((8, 9), False), (None, False)):
         module = load(FakeDeepGemm(), capability=capability)
         assert module.deepgemm_available("cuda:0") is expected, capability
@@ -154,11 +157,15 @@ def test_matches_emulated(load, m, n, k, granularity, out_dtype):
     fake = FakeDeepGemm()
     load(fake)
     (a_q, a_s), (b_q, b_s) = _operands(m, n, k, granularity, seed=m + n + k)
-    out = fp8_gemm_nt((a_q, a_s), (b_q, b_s), b_granularity=granularity, out_dtype=out_dtype)
-    assert len(fake.calls) == 1, "automatic choice must pick deepgemm"
+    auto = fp8_gemm_nt((a_q, a_s), (b_q, b_s), b_granularity=granularity, out_dtype=out_dtype)
+    assert fake.calls == [], "the automatic choice must not pick an opt-in backend"
+    with use_gemm_backend("deepgemm"):
+        out = fp8_gemm_nt((a_q, a_s), (b_q, b_s), b_granularity=granularity, out_dtype=out_dtype)
+    assert len(fake.calls) == 1
+    assert_bits_equal(auto, emulated_fp8_gemm_nt(a_q, a_s, b_q, b_s, granularity, out_dtype), "automatic")
     ref = emulated_fp8_gemm_nt(a_q, a_s, b_q, b_s, granularity, torch.float32).to(out_dtype)
     assert out.shape == (m, n) and out.dtype == out_dtype and out.is_contiguous()
-    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    assert_bits_equal(out, ref, "deepgemm adapter (fake)")
     call = fake.calls[0]
     assert call["k"] % 128 == 0 and call["k"] - k < 128  # ragged K zero-padded to whole groups
     assert call["d_stride"] == (-(-n // 8) * 8, 1)  # [M, N] view of an [M, round_up(N, 8)] buffer
@@ -169,14 +176,20 @@ def test_matches_emulated(load, m, n, k, granularity, out_dtype):
     assert call["compiled_dims"] == ("nk" if granularity == "block" else "mn")
 
 
-def test_deepgemm_error_falls_through(load):
+def test_forced_deepgemm_error_is_loud(load, monkeypatch):
     fake = FakeDeepGemm(fail=True)
     load(fake)
     (a_q, a_s), (b_q, b_s) = _operands(16, 64, 256, "block")
     with pytest.raises(NotImplementedError, match="DeepGEMM refused"):
         fp8_gemm_nt((a_q, a_s), (b_q, b_s), backend="deepgemm")
-    out = fp8_gemm_nt((a_q, a_s), (b_q, b_s), out_dtype=torch.float32)  # automatic: next backend (emulated)
-    torch.testing.assert_close(out, emulated_fp8_gemm_nt(a_q, a_s, b_q, b_s, "block", torch.float32), rtol=0, atol=0)
+    monkeypatch.setenv("JETRL_GEMM_BACKEND", "deepgemm")  # the documented opt-in
+    reset_kernel_caches()
+    with pytest.raises(NotImplementedError, match="DeepGEMM refused"):
+        fp8_gemm_nt((a_q, a_s), (b_q, b_s))
+    monkeypatch.delenv("JETRL_GEMM_BACKEND")
+    reset_kernel_caches()
+    out = fp8_gemm_nt((a_q, a_s), (b_q, b_s), out_dtype=torch.float32)  # automatic: never deepgemm
+    assert_bits_equal(out, emulated_fp8_gemm_nt(a_q, a_s, b_q, b_s, "block", torch.float32), "automatic")
 
 
 def test_empty_shapes_skip_deep_gemm(load):
@@ -213,7 +226,8 @@ def test_fake_is_strict():
 def test_real_deepgemm_matches_emulated(m, n, k, granularity):
     if not dg_module.deepgemm_available("cuda"):
         pytest.skip("needs the real deep_gemm and an SM90 GPU")
-    assert gemm.available_gemm_backends("cuda")[0] == "deepgemm"
+    assert "deepgemm" in gemm.available_gemm_backends("cuda")
+    assert "deepgemm" not in gemm.auto_gemm_backends("cuda")  # opt-in until this test has passed
     g = torch.Generator(device="cuda").manual_seed(m + n + k)
     a = torch.randn(m, k, device="cuda", generator=g) * torch.logspace(-2, 2, m, device="cuda")[:, None]
     w = torch.randn(n, k, device="cuda", generator=g) * 0.05
@@ -223,5 +237,5 @@ def test_real_deepgemm_matches_emulated(m, n, k, granularity):
     for out_dtype, tol in ((torch.float32, 3e-4), (torch.bfloat16, 4e-3)):
         out = fp8_gemm_nt((a_q, a_s), (b_q, b_s), b_granularity=granularity, out_dtype=out_dtype, backend="deepgemm")
         assert out.shape == (m, n) and out.dtype == out_dtype
-        err = ((out.double() - ref).norm() / ref.norm()).item()
+        err = relative_error(out, ref)
         assert err < tol, (out_dtype, err)

@@ -15,6 +15,8 @@ from jetrl_trainer.quant.fused import (
     offer_prequantized,
     take_prequantized,
 )
+from jetrl_trainer.quant.reference import rmsnorm_reference
+from jetrl_trainer.quant.testing import assert_bits_equal
 
 
 def _qwen3(dtype=torch.float32):
@@ -105,8 +107,6 @@ def test_fused_kernels_in_a_bf16_qwen3_on_gpu():
 @pytest.mark.gpu
 @pytest.mark.skipif(not triton_available(), reason="needs Triton")
 def test_fused_rmsnorm_backward_matches_autograd_of_reference():
-    from jetrl_trainer.kernels import rmsnorm_reference
-
     x = torch.randn(64, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = torch.nn.Parameter(torch.randn(512, device="cuda", dtype=torch.bfloat16) * 0.1 + 1)
     dy = torch.randn(64, 512, device="cuda", dtype=torch.bfloat16)
@@ -131,8 +131,9 @@ def test_fused_swiglu_backward_is_autograds_bit_for_bit():
     got = (gate.grad.clone(), up.grad.clone())
     gate.grad = up.grad = None
     (F.silu(gate) * up).backward(dh)
-    assert torch.equal(h, F.silu(gate) * up)
-    assert torch.equal(got[0], gate.grad) and torch.equal(got[1], up.grad)
+    assert_bits_equal(h, F.silu(gate) * up, "h")
+    assert_bits_equal(got[0], gate.grad, "d_gate")
+    assert_bits_equal(got[1], up.grad, "d_up")
 
 
 def test_quantize_model_fuses_on_request_and_dequantize_model_undoes_it():

@@ -1,5 +1,8 @@
 """FP8 GEMM front door (kernels/gemm.py), its registry and the emulated backend (kernels/emulated.py)."""
 
+import os
+import types
+
 import pytest
 import torch
 
@@ -12,15 +15,17 @@ from jetrl_trainer.quant.fp8 import (
     quantize_fp8_blocks,
     quantize_fp8_groups,
 )
+from jetrl_trainer.quant.testing import relative_error
 
 
 @pytest.fixture
 def registry(monkeypatch):
     """Register test backends into a copy of the registry that is thrown away afterwards."""
     monkeypatch.setattr(gemm, "_backends", dict(gemm._backends))
-    monkeypatch.setattr(gemm, "_availability_cache", {})
     monkeypatch.delenv("JETRL_GEMM_BACKEND", raising=False)
-    return gemm
+    kernels.reset_kernel_caches()
+    yield gemm
+    kernels.reset_kernel_caches()  # nothing resolved from the throwaway registry survives it
 
 
 def _operands(m, n, k, granularity, seed=0):
@@ -111,6 +116,7 @@ def test_forcing_a_backend(registry, monkeypatch):
     with registry.use_gemm_backend("spy"):
         registry.fp8_gemm_nt(a, b)
     monkeypatch.setenv("JETRL_GEMM_BACKEND", "spy")
+    kernels.reset_kernel_caches()  # the variable is read once per process
     registry.fp8_gemm_nt(a, b)
     assert seen == ["spy"] * 3
     with registry.use_gemm_backend("emulated"):  # the context manager wins over the env variable
@@ -130,6 +136,65 @@ def test_unknown_or_unavailable_backend_lists_the_options(registry, monkeypatch)
     with pytest.raises(ValueError, match="not available on cpu; available: emulated"):
         registry.fp8_gemm_nt(a, b, backend="gpu_only")
     monkeypatch.setenv("JETRL_GEMM_BACKEND", "nope")
+    kernels.reset_kernel_caches()
+    with pytest.raises(ValueError, match="Unknown GEMM backend 'nope'"):
+        registry.fp8_gemm_nt(a, b)
+
+
+def test_opt_in_backend_runs_only_when_forced(registry, monkeypatch):
+    seen = []
+    registry.register_gemm_backend(
+        "unproven", lambda *args: seen.append(1) or emulated_fp8_gemm_nt(*args), is_available=True, priority=99,
+        opt_in=True,
+    )
+    assert registry.registered_gemm_backends()[0] == "unproven"
+    assert registry.available_gemm_backends("cpu") == ["unproven", "emulated"]  # it can be forced
+    assert registry.auto_gemm_backends("cpu") == ["emulated"]  # but is never chosen automatically
+    a, b = _operands(3, 4, 128, "block")
+    registry.fp8_gemm_nt(a, b)
+    assert seen == []
+    registry.fp8_gemm_nt(a, b, backend="unproven")
+    with registry.use_gemm_backend("unproven"):
+        registry.fp8_gemm_nt(a, b)
+    monkeypatch.setenv("JETRL_GEMM_BACKEND", "unproven")
+    kernels.reset_kernel_caches()
+    registry.fp8_gemm_nt(a, b)
+    assert seen == [1, 1, 1]
+
+
+def test_order_availability_and_env_are_resolved_once(registry, monkeypatch):
+    checks, sorts = [], []
+
+    def counting_sorted(*args, **kwargs):
+        sorts.append(1)
+        return sorted(*args, **kwargs)
+
+    monkeypatch.setattr(gemm, "sorted", counting_sorted, raising=False)  # shadows the builtin in gemm.py
+    registry.register_gemm_backend(
+        "probe", emulated_fp8_gemm_nt, is_available=lambda d: checks.append(d.type) or True, priority=5
+    )
+    a, b = _operands(3, 4, 128, "block")
+    reads = []
+
+    class CountingEnviron:  # gemm.py's view of os.environ, counting its reads
+        def get(self, key, default=None):
+            reads.append(key)
+            return os.environ.get(key, default)
+
+    monkeypatch.setattr(gemm, "os", types.SimpleNamespace(environ=CountingEnviron()))
+    for _ in range(5):
+        registry.fp8_gemm_nt(a, b)
+    assert sorts == [1] and checks == ["cpu"] and reads.count("JETRL_GEMM_BACKEND") == 1
+    # Registering another backend resets everything: it joins the automatic chain at once.
+    registry.register_gemm_backend("late", emulated_fp8_gemm_nt, is_available=True, priority=7)
+    assert registry.auto_gemm_backends("cpu") == ["late", "probe", "emulated"]
+    assert sorts == [1, 1] and checks == ["cpu", "cpu"]
+    # A changed variable is seen after an explicit reset, not before.
+    registry.fp8_gemm_nt(a, b)
+    monkeypatch.setenv("JETRL_GEMM_BACKEND", "nope")
+    registry.fp8_gemm_nt(a, b)
+    assert reads.count("JETRL_GEMM_BACKEND") == 2  # once before "late" was registered, once after
+    kernels.reset_kernel_caches()
     with pytest.raises(ValueError, match="Unknown GEMM backend 'nope'"):
         registry.fp8_gemm_nt(a, b)
 
@@ -158,5 +223,5 @@ def test_every_cuda_backend_agrees_with_emulated():
         out = kernels.fp8_gemm_nt(a, b, out_dtype=torch.float32, backend=name)
         # Hopper's FP8 MMA accumulates inside a 128-group with reduced precision: measured 1.2-1.5e-4
         # norm-wise relative to the exact FP64 group sums (docs/benchmarks.md), so bound the norm.
-        rel = ((out - ref).norm() / ref.norm()).item()
+        rel = relative_error(out, ref)
         assert rel < 3e-4, f"backend {name}: relative error {rel:.2e}"

@@ -8,8 +8,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from jetrl_trainer.kernels import available_gemm_backends, fp8_gemm_nt, use_gemm_backend
+from _gpu import gpu_gemm_backends
+from jetrl_trainer.kernels import (
+    auto_gemm_backends,
+    available_gemm_backends,
+    fp8_gemm_nt,
+    reset_kernel_caches,
+    use_gemm_backend,
+)
 from jetrl_trainer.quant.fp8 import quantize_fp8_blocks, quantize_fp8_groups
+from jetrl_trainer.quant.testing import assert_bits_equal, relative_error
 
 pytestmark = pytest.mark.gpu
 
@@ -25,11 +33,6 @@ SHAPES = (
 )
 
 
-def _gpu_backends() -> list[str]:
-    if not torch.cuda.is_available():
-        return []
-    return [b for b in available_gemm_backends("cuda") if b != "emulated"]
-
 
 def _operands(m, n, k, granularity, seed):
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -40,21 +43,19 @@ def _operands(m, n, k, granularity, seed):
     return a_q, a_s, b_q, b_s
 
 
-def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
-
-
 def test_gpu_backends_registered():
     names = available_gemm_backends("cuda")
     assert names[-1] == "emulated"
+    auto = auto_gemm_backends("cuda")
+    assert "deepgemm" not in auto  # opt-in until it has run against a real DeepGEMM
     if torch.cuda.get_device_capability()[0] == 9:
-        assert "scaled_mm" in names and "triton" in names
-        assert names.index("scaled_mm") < names.index("triton")  # DESIGN §7 preference order
+        # The automatic choice prefers what has passed on the H200: cuBLASLt, then Triton.
+        assert auto == ["scaled_mm", "triton", "emulated"]
 
 
 @pytest.mark.parametrize("granularity", ("block", "group"))
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("backend", _gpu_backends())
+@pytest.mark.parametrize("backend", gpu_gemm_backends())
 def test_backend_matches_emulated(backend, shape, granularity):
     a_q, a_s, b_q, b_s = _operands(*shape, granularity, seed=sum(shape))
     ref = fp8_gemm_nt((a_q, a_s), (b_q, b_s), b_granularity=granularity, out_dtype=torch.float32, backend="emulated")
@@ -65,31 +66,33 @@ def test_backend_matches_emulated(backend, shape, granularity):
     assert torch.isfinite(out32).all()
     # Hopper's FP8 MMA keeps fewer mantissa bits while it sums a 128-wide group: measured on the
     # H200, both cuBLASLt and Triton land at 1.2-1.5e-4 relative to the exact result.
-    assert _rel_err(out32, ref) < 3e-4, _rel_err(out32, ref)
-    assert _rel_err(out16, ref) < 4e-3, _rel_err(out16, ref)
+    assert relative_error(out32, ref) < 3e-4, relative_error(out32, ref)
+    assert relative_error(out16, ref) < 4e-3, relative_error(out16, ref)
     # Row by row too, so one bad row (e.g. a padding or scale-layout slip) cannot hide in the norm.
     row_err = (out32 - ref).norm(dim=1) / ref.norm(dim=1).clamp_min(1e-30)
     assert row_err.max().item() < 1e-3
 
 
-@pytest.mark.parametrize("backend", _gpu_backends())
+@pytest.mark.parametrize("backend", gpu_gemm_backends())
 def test_backend_forced_by_context_and_env(backend, monkeypatch):
     a_q, a_s, b_q, b_s = _operands(64, 256, 256, "block", seed=1)
     with use_gemm_backend(backend):
         via_ctx = fp8_gemm_nt((a_q, a_s), (b_q, b_s))
     monkeypatch.setenv("JETRL_GEMM_BACKEND", backend)
+    reset_kernel_caches()  # the variable is read once per process
     via_env = fp8_gemm_nt((a_q, a_s), (b_q, b_s))
     direct = fp8_gemm_nt((a_q, a_s), (b_q, b_s), backend=backend)
-    assert torch.equal(via_ctx, direct) and torch.equal(via_env, direct)
+    assert_bits_equal(via_ctx, direct, "use_gemm_backend")
+    assert_bits_equal(via_env, direct, "JETRL_GEMM_BACKEND")
 
 
-@pytest.mark.parametrize("backend", _gpu_backends())
+@pytest.mark.parametrize("backend", gpu_gemm_backends())
 def test_backend_is_batch_invariant_per_row(backend):
     """A row's output must not depend on which other rows share the call (M=1 vs M=256)."""
     a_q, a_s, b_q, b_s = _operands(256, 512, 1024, "block", seed=5)
     full = fp8_gemm_nt((a_q, a_s), (b_q, b_s), backend=backend)
     one = fp8_gemm_nt((a_q[17:18], a_s[17:18]), (b_q, b_s), backend=backend)
-    rel = _rel_err(one, full[17:18])
+    rel = relative_error(one, full[17:18])
     assert rel < 4e-3  # same math; kernels may pick different tiles for M=1, so not asserted bit-exact
 
 

@@ -16,15 +16,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from jetrl_trainer.kernels import available_gemm_backends, triton_available
+from _gpu import gpu_gemm_backends
+from jetrl_trainer.kernels import reset_kernel_caches, triton_available
+from jetrl_trainer.quant.testing import assert_bits_equal, relative_error
 
 pytestmark = pytest.mark.gpu
 
-
-def _gpu_backends() -> list[str]:
-    if not torch.cuda.is_available():
-        return []
-    return [b for b in available_gemm_backends("cuda") if b != "emulated"]
 
 
 def _layer(device, n_in=1000, n_out=700, bias=True):
@@ -44,13 +41,9 @@ def _run(layer, x, dy):
     return [y.detach(), x.grad, layer.weight.grad] + ([layer.bias.grad] if layer.bias is not None else [])
 
 
-def _rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
 @pytest.mark.skipif(not triton_available(), reason="needs Triton")
 @pytest.mark.parametrize("scale_format", ("fp32", "ue8m0"))
-@pytest.mark.parametrize("backend", _gpu_backends() + ["emulated"])
+@pytest.mark.parametrize("backend", gpu_gemm_backends() + ["emulated"])
 def test_triton_kernels_equal_reference_quantizers_end_to_end(backend, scale_format, monkeypatch):
     from jetrl_trainer.quant import FP8Recipe
 
@@ -59,15 +52,17 @@ def test_triton_kernels_equal_reference_quantizers_end_to_end(backend, scale_for
     x = torch.randn(3, 77, 1000, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn(3, 77, 700, device="cuda", dtype=torch.bfloat16)
     monkeypatch.setenv("JETRL_GEMM_BACKEND", backend)
+    reset_kernel_caches()  # the variables are read once per process
     fast = _run(layer, x, dy)
     monkeypatch.setenv("JETRL_DISABLE_TRITON", "1")
+    reset_kernel_caches()
     layer.set_recipes(train=FP8Recipe(scale_format=scale_format))  # drop the cached FP8 weight
     slow = _run(layer, x, dy)
     for f, s, what in zip(fast, slow, ("y", "dx", "dw", "db")):
-        assert torch.equal(f, s), what
+        assert_bits_equal(f, s, what)
 
 
-@pytest.mark.parametrize("backend", _gpu_backends())
+@pytest.mark.parametrize("backend", gpu_gemm_backends())
 def test_gpu_matches_cpu_reference(backend, monkeypatch):
     cpu, gpu = _layer("cpu"), _layer("cuda")
     gpu.load_state_dict(cpu.state_dict())
@@ -75,7 +70,8 @@ def test_gpu_matches_cpu_reference(backend, monkeypatch):
     dy = torch.randn(2, 150, 700, dtype=torch.bfloat16)
     want = _run(cpu, x, dy)
     monkeypatch.setenv("JETRL_GEMM_BACKEND", backend)
+    reset_kernel_caches()
     got = _run(gpu, x.cuda(), dy.cuda())
     for g, w, what in zip(got, want, ("y", "dx", "dw", "db")):
         assert g.dtype == w.dtype and g.shape == w.shape, what
-        assert _rel(g.cpu(), w) < 1e-2, (what, _rel(g.cpu(), w))
+        assert relative_error(g.cpu(), w) < 1e-2, (what, relative_error(g.cpu(), w))

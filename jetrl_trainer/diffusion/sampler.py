@@ -40,6 +40,8 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
+from jetrl_trainer._choices import REMASKINGS, check_choice
+
 __all__ = [
     "DenoiseStepInfo",
     "generate",
@@ -50,7 +52,7 @@ __all__ = [
     "add_gumbel_noise",
 ]
 
-REMASKING = ("low_confidence", "random")
+REMASKING = REMASKINGS  # the one definition lives in jetrl_trainer/_choices.py
 
 
 @dataclass(frozen=True)
@@ -275,6 +277,5 @@ def _validate(
         raise ValueError(f"temperature must be >= 0, got {temperature}.")
     if cfg_scale < 0:
         raise ValueError(f"cfg_scale must be >= 0 (0 disables guidance), got {cfg_scale}.")
-    if remasking not in REMASKING:
-        raise ValueError(f"remasking must be one of {REMASKING}, got {remasking!r}.")
+    check_choice("remasking", remasking, REMASKINGS)
     return steps // num_blocks

@@ -1,0 +1,56 @@
+"""Every set of allowed option values, defined once, and the one helper that validates them.
+
+A leaf module (it imports only torch), so ``kernels/``, ``quant/``, ``config.py`` and the diffusion
+sampler can all read it without breaking the ``kernels ← quant ← jetrl_trainer`` direction. The
+modules that own a concept re-export its set (``quant.fp8.SCALE_FORMATS``,
+``config.PRECISIONS``, ``diffusion.sampler.REMASKING``, …); none defines its own copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+import torch
+
+__all__ = [
+    "FLOAT_DTYPES",
+    "GRANULARITIES",
+    "NVFP4_BACKWARDS",
+    "NVFP4_OUTERS",
+    "PHASES",
+    "PRECISIONS",
+    "REMASKINGS",
+    "SCALE_FORMATS",
+    "check_choice",
+]
+
+PRECISIONS: tuple[str, ...] = ("bf16", "fp8", "nvfp4")  # recipe names, per phase
+PHASES: tuple[str, ...] = ("train", "rollout")
+SCALE_FORMATS: tuple[str, ...] = ("fp32", "ue8m0")  # FP8 scales: any FP32, or powers of two
+NVFP4_BACKWARDS: tuple[str, ...] = ("dequantized", "high_precision")
+NVFP4_OUTERS: tuple[str, ...] = ("token", "tensor")  # NVFP4 outer scale: per row, or one per tensor
+REMASKINGS: tuple[str, ...] = ("low_confidence", "random")  # LLaDA sampler
+GRANULARITIES: tuple[str, ...] = ("block", "group")  # GEMM B scales: 128x128 blocks, or 1x128 groups
+# Inputs the quantizers accept and outputs the GEMMs write.
+FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
+
+T = TypeVar("T")
+
+
+def _show(value: Any) -> str:
+    return str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else str(value)
+
+
+def check_choice(what: str, value: Any, allowed: Sequence[T], *, normalize: bool = False) -> T:
+    """``value`` if it is one of ``allowed``; else a ``ValueError`` that lists the choices.
+
+    ``normalize=True`` (user-facing configs) also accepts a string that matches after
+    ``strip().lower()`` and returns the normalized form. Callers use the returned value.
+    """
+    if value in allowed:
+        return value
+    if normalize and isinstance(value, str) and value.strip().lower() in allowed:
+        return value.strip().lower()
+    got = repr(value) if not isinstance(value, torch.dtype) else _show(value)
+    raise ValueError(f"{what} must be one of {', '.join(_show(a) for a in allowed)}; got {got}.")
