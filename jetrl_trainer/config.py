@@ -15,7 +15,7 @@ arithmetic of the ``nn.Linear`` layers that `quantize_model` swaps for `QuantLin
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Union
 
 from trl import GRPOConfig
 
@@ -29,6 +29,15 @@ from jetrl_trainer._choices import (
 )
 
 __all__ = ["JetGRPOConfig", "PRECISIONS", "CORRECTOR_PARAMS"]
+
+if TYPE_CHECKING:
+    from jetrl_trainer.correctors import Corrector
+
+    _CorrectorLike = Union[str, Corrector]
+else:
+    # What TRL's HfArgumentParser reads: it parses one type per field, and a command line or YAML
+    # file can only name a corrector. A Corrector instance is still accepted from Python.
+    _CorrectorLike = str
 
 # Which config field feeds which parameter of which built-in corrector (get_corrector keywords).
 _FIELD_TO_PARAM = {
@@ -141,12 +150,12 @@ class JetGRPOConfig(GRPOConfig):
             "choices": list(PRECISIONS),
         },
     )
-    corrector: str = field(
+    corrector: _CorrectorLike = field(
         default="none",
         metadata={
-            "help": "Off-policy corrector multiplying the per-token surrogate: 'none', 'is', 'tis', 'mis', "
-            "'ais' (or a registered name; a Corrector instance from Python). Mismatch metrics are logged "
-            "whatever the choice."
+            "help": "Off-policy corrector multiplying the per-token surrogate: a name ('none', 'is', 'tis', "
+            "'mis', 'ais' or another registered one) or, from Python only, a Corrector instance. Mismatch "
+            "metrics are logged whatever the choice."
         },
     )
     corrector_clip: float | None = field(

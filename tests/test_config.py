@@ -114,6 +114,22 @@ def test_cli_parser_exposes_the_fields():
     assert cfg.keep_bf16_modules == ["a", "b"]
 
 
+def test_corrector_field_takes_a_name_on_the_cli_and_an_instance_from_python():
+    import typing
+
+    from transformers import HfArgumentParser
+
+    parser = HfArgumentParser(JetGRPOConfig)
+    (cfg,) = parser.parse_args_into_dataclasses(
+        ["--output_dir", "x", "--corrector", "tis", "--use_cpu", "true", "--bf16", "false", "--report_to", "none"]
+    )
+    assert cfg.corrector == "tis"
+    assert "Corrector instance" in parser.format_help()  # the help says what the CLI cannot take
+    assert make(corrector=TISCorrector(clip=3.0)).corrector == TISCorrector(clip=3.0)
+    # The parser sees `str` (one type per field); readers and type checkers see the union.
+    assert typing.get_type_hints(JetGRPOConfig)["corrector"] is str
+    assert JetGRPOConfig.__annotations__["corrector"] == "_CorrectorLike"
+
 
 @pytest.mark.parametrize("fuse", [True, False])
 def test_fuse_norm_quant_reaches_quantize_model(tmp_path, fuse):
