@@ -1,8 +1,8 @@
 """AIS: adaptive importance sampling — mix plain GRPO and truncated IS per batch.
 
-Following Zhou et al., "AIS: Adaptive Importance Sampling for Quantized RL" (arXiv 2605.13907),
-as written in DESIGN §5. With ρ the ratio at ``level`` and C = ``clip``, over the batch's valid
-tokens (population statistics, divide by n):
+Following Zhou et al., "AIS: Adaptive Importance Sampling for Quantized RL" (arXiv 2605.13907);
+the user guide is the "AIS" section of docs/correctors.md. With ρ the ratio at ``level`` and
+C = ``clip``, over the batch's valid tokens (population statistics, divide by n):
 
     w̄      = min(ρ, C)
     α_ess  = (1 + CV²(w̄))^(-1/2),   CV² = var(w̄) / mean(w̄)²       weight reliability

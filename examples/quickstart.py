@@ -1,7 +1,9 @@
-"""jetrl-trainer in five minutes on a laptop CPU: FP8 GRPO with the unified precision flow.
+"""jetrl-trainer on a laptop CPU: FP8 GRPO with the unified precision flow.
 
-    python examples/quickstart.py                 # ~30 s on 2 idle CPU cores, no network, no GPU
+    python examples/quickstart.py                 # 32 s measured on 2 idle CPU cores; no network, no GPU
     python examples/quickstart.py --fast          # a smoke run (~15 s), used by the tests
+
+A busy machine can take several times longer.
 
 What it does:
 
@@ -31,9 +33,8 @@ import time
 
 # torch / transformers / jetrl_trainer are imported in main(), so that `--help` answers at once.
 
-# Full run / --fast run: 32 s / ~15 s wall on 2 idle CPU cores (measured; a busy machine can take
-# several times longer). The warm start is kept short on purpose: a model that
-# already answers most problems leaves GRPO little to show in 100 steps.
+# Timings of both presets: see the module docstring. The warm start is kept short on purpose: a
+# model that already answers most problems leaves GRPO little to show in 100 steps.
 PRESETS = {
     "full": dict(warm_start_steps=60, grpo_steps=100, prompts_per_step=8, num_generations=8, eval_prompts=128),
     "fast": dict(warm_start_steps=15, grpo_steps=4, prompts_per_step=2, num_generations=4, eval_prompts=8),
@@ -50,7 +51,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--output_dir", default="runs/quickstart", help="where metrics.jsonl and metrics.png go")
-    parser.add_argument("--fast", action="store_true", help="a ~1 minute smoke run (fewer steps, smaller batches)")
+    parser.add_argument("--fast", action="store_true", help="a smoke run, ~15 s (fewer steps, smaller batches)")
     parser.add_argument("--task", default="arithmetic", help="built-in task: arithmetic, countdown or sudoku")
     parser.add_argument("--train_precision", default="fp8", choices=["bf16", "fp8", "nvfp4"])
     parser.add_argument("--rollout_precision", default="fp8", choices=["bf16", "fp8", "nvfp4"])
