@@ -237,7 +237,7 @@ def main(script: LLaDAScriptArguments, training: JetGRPOConfig) -> int:
     metrics = MetricsFile(os.path.join(training.output_dir, "metrics.jsonl"))
     open(metrics.path, "w").close()
     trainer.add_callback(metrics)
-    s = trainer.diffusion_sampling
+    s = trainer.rollout_sampling  # the DiffusionSampling the diffusion backend runs with
     if trainer.is_world_process_zero():
         print(f"GRPO on {task.name}: train={training.train_precision} rollout={training.rollout_precision} "
               f"corrector={training.corrector_name} lora={script.lora} | sampler: {s.gen_length} tokens, blocks "

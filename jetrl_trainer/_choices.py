@@ -21,6 +21,7 @@ __all__ = [
     "PHASES",
     "PRECISIONS",
     "REMASKINGS",
+    "ROLLOUT_BACKENDS",
     "SCALE_FORMATS",
     "check_choice",
 ]
@@ -31,6 +32,8 @@ SCALE_FORMATS: tuple[str, ...] = ("fp32", "ue8m0")  # FP8 scales: any FP32, or p
 NVFP4_BACKWARDS: tuple[str, ...] = ("dequantized", "high_precision")
 NVFP4_OUTERS: tuple[str, ...] = ("token", "tensor")  # NVFP4 outer scale: per row, or one per tensor
 REMASKINGS: tuple[str, ...] = ("low_confidence", "random")  # LLaDA sampler
+# JetGRPOConfig.rollout_backend; "engine" and "vllm" are announced, not built yet.
+ROLLOUT_BACKENDS: tuple[str, ...] = ("auto", "hf", "continuous", "engine", "vllm", "diffusion")
 GRANULARITIES: tuple[str, ...] = ("block", "group")  # GEMM B scales: 128x128 blocks, or 1x128 groups
 # Inputs the quantizers accept and outputs the GEMMs write.
 FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)

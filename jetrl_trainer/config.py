@@ -24,6 +24,7 @@ from jetrl_trainer._choices import (
     NVFP4_BACKWARDS as _NVFP4_BACKWARDS,
     PRECISIONS,
     REMASKINGS as _REMASKINGS,
+    ROLLOUT_BACKENDS,
     SCALE_FORMATS as _SCALE_FORMATS,
     check_choice,
 )
@@ -40,6 +41,8 @@ else:
     _CorrectorLike = str
 
 # Which config field feeds which parameter of which built-in corrector (get_corrector keywords).
+_NOT_YET_BACKENDS = ("engine", "vllm")  # announced in ROLLOUT_BACKENDS; refused until they ship
+
 _FIELD_TO_PARAM = {
     "corrector_clip": "clip",
     "corrector_low": "low",
@@ -111,6 +114,12 @@ class JetGRPOConfig(GRPOConfig):
             Fuse the RMSNorms and SwiGLU of Qwen3/Llama/LLaDA layers with the FP8 quantization of
             their output (one kernel instead of two; same values). `None` = on where it pays: CUDA
             with Triton and an FP8 phase. Other architectures are left as they are.
+        rollout_backend (`str`, *optional*, defaults to `"auto"`):
+            What generates the rollouts: `"auto"` (the best available backend for the model and device,
+            logged once), `"hf"` (transformers `generate`), `"continuous"` (transformers continuous
+            batching; the same as `use_transformers_continuous_batching=True`) or `"diffusion"` (the
+            LLaDA sampler; what `"auto"` picks for LLaDA models). `"engine"` and `"vllm"` are reserved
+            for backends that are not in this release and are refused.
         diffusion_steps (`int`, *optional*):
             Diffusion LMs (LLaDA) only: denoising steps per completion, a multiple of the number of
             blocks. `None` = `max_completion_length // 2` (two tokens per step, as d1).
@@ -229,6 +238,16 @@ class JetGRPOConfig(GRPOConfig):
             "(same values, one kernel). None = on where it pays: CUDA with Triton and an FP8 phase."
         },
     )
+    rollout_backend: str = field(
+        default="auto",
+        metadata={
+            "help": "What generates the rollouts: 'auto' (the best available for the model and device; the choice "
+            "is logged once), 'hf' (transformers generate), 'continuous' (transformers continuous batching, same as "
+            "use_transformers_continuous_batching=True), 'diffusion' (the LLaDA sampler; auto picks it for LLaDA "
+            "models). 'engine' and 'vllm' are reserved for backends not in this release.",
+            "choices": list(ROLLOUT_BACKENDS),
+        },
+    )
     diffusion_steps: int | None = field(
         default=None,
         metadata={
@@ -278,6 +297,7 @@ class JetGRPOConfig(GRPOConfig):
                 f"keep_last_n_layers_bf16 must be >= 0 (0 quantizes every decoder layer); got "
                 f"{self.keep_last_n_layers_bf16}"
             )
+        self._check_rollout_backend()
         if self.use_vllm:
             raise ValueError(
                 "use_vllm=True is not supported by JetGRPOTrainer: rollouts must run on the policy itself "
@@ -349,6 +369,23 @@ class JetGRPOConfig(GRPOConfig):
             get_corrector(self.corrector, **self.corrector_params())
         except ValueError as err:
             raise ValueError(f"Invalid corrector settings for corrector={self.corrector!r}: {err}") from err
+
+    # ------------------------------------------------------------------ rollout backend
+
+    def _check_rollout_backend(self) -> None:
+        self.rollout_backend = _check_choice("rollout_backend", self.rollout_backend, ROLLOUT_BACKENDS)
+        if self.rollout_backend in _NOT_YET_BACKENDS:
+            raise ValueError(
+                f"rollout_backend={self.rollout_backend!r} is not available in this release of jetrl-trainer. Use "
+                "'auto' (default), 'hf', 'continuous' or, for LLaDA, 'diffusion'."
+            )
+        if self.rollout_backend == "continuous":
+            self.use_transformers_continuous_batching = True  # TRL builds the engine config from this flag
+        elif self.use_transformers_continuous_batching and self.rollout_backend != "auto":
+            raise ValueError(
+                f"use_transformers_continuous_batching=True contradicts rollout_backend={self.rollout_backend!r}; "
+                "set rollout_backend='continuous' (or 'auto') and leave the flag, or unset the flag."
+            )
 
     # ------------------------------------------------------------------ diffusion LMs
 

@@ -1,12 +1,17 @@
 """`JetGRPOTrainer`: TRL's GRPO with low-precision rollouts and training (DESIGN §4).
 
-One GRPO step, and where this class steps in:
+One GRPO step, and what does each part. The trainer holds two small objects chosen at init: a
+**rollout backend** (`jetrl_trainer.rollout`; ``rollout_backend``) and a **policy scorer**
+(`jetrl_trainer.scoring`: log-probs ``(B, K, T)``, K = 1 for autoregressive models, one slice per
+inner iteration and mask seed for a diffusion LM). A LLaDA model is a different pair, not a
+different class.
 
 ```
-prompts ─► rollout (precision_phase("rollout"))      ─► completion ids + sampling log-probs   [_rollout]
-        ─► rewards ─► group advantages                                                        (TRL)
-        ─► old log-probs, no grad, precision_phase("train")                                   [_train_logps]
-        ─► corrector(old, sampling, mask, advantages) ─► weights [B, T] + mismatch sums
+prompts ─► backend.generate, in precision_phase("rollout")  ─► completion ids + sampling log-probs
+        ─► rewards ─► group advantages                                                     (TRL)
+        ─► old log-probs: scorer, precision_phase("train"), no grad
+           (sampling log-probs too, in the rollout phase, when the backend recorded none)
+        ─► per slice: corrector(old, sampling, mask, advantages) ─► weights [B, T] + mismatch sums
         ─► TRL's per-token surrogate × weights ─► backward ─► guarded optimizer step
 ```
 
@@ -14,8 +19,8 @@ How this departs from TRL 1.16's `GRPOTrainer`:
 
 * the policy's ``nn.Linear`` layers become `QuantLinear` at init (`quantize_model`); the reference
   model, when there is one, is quantized with the *training* recipe in both phases;
-* HF ``generate`` and continuous batching return the sampling log-probs (TRL returns them only
-  from vLLM, which is refused here since it would not run our quantized modules);
+* every backend returns the sampling log-probs (TRL returns them only from vLLM, which is refused
+  here since it would not run our quantized modules);
 * the corrector weights go into TRL's own importance-sampling slot: ``_compute_loss`` multiplies
   the per-token surrogate by ``inputs["importance_sampling_ratio"]`` after clipping and before the
   KL term, for every ``loss_type`` (VESPO folds it into its gamma weights, as TRL does);
@@ -24,13 +29,9 @@ How this departs from TRL 1.16's `GRPOTrainer`:
 * an optimizer step with a non-finite loss or gradient is skipped (``jetrl/skipped_steps``);
 * saved checkpoints hold the master weights under their usual names; the card says how.
 
-Overridden TRL/Trainer methods: ``__init__``, ``_generate_single_turn``,
-``_generate_and_score_completions``, ``_compute_loss``, ``training_step``, ``create_optimizer``,
-``log``, ``_save``, ``create_model_card``. Everything else is inherited.
-
-Hooks for subclasses (e.g. a diffusion LM): ``_rollout(prompt_ids)`` produces completions and their
-sampling log-probs; ``_train_logps(batch)`` the training-precision log-probs of a generated batch
-(by default through TRL's ``_get_per_token_logps_and_entropies``, itself overridable).
+The overrides of TRL's private methods form one thin layer (``_generate_single_turn``,
+``_generate_and_score_completions``, ``_get_per_token_logps_and_entropies``, ``_compute_loss``);
+tests/test_trl_contract.py checks each contract they rely on.
 """
 
 from __future__ import annotations
@@ -45,13 +46,17 @@ from torch import Tensor
 from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing, unwrap_model_for_generation
 
+import jetrl_trainer.diffusion  # noqa: F401  (registers model_type "llada", so LLaDA ids load)
+from jetrl_trainer._composition import build_policy_scorer, build_rollout_backend, logger
 from jetrl_trainer._dist import all_reduce_sums, any_across_processes
 from jetrl_trainer._guard import NonFiniteGuard
 from jetrl_trainer.config import JetGRPOConfig
 from jetrl_trainer.correctors import get_corrector, merge_sums, metrics_from_sums
+from jetrl_trainer.diffusion import is_diffusion_model
+from jetrl_trainer.diffusion.lora import check_lora_targets, resolve_lora_preset
 from jetrl_trainer.hub import master_state_dict, update_model_card
 from jetrl_trainer.quant import precision_phase, quantize_model
-from jetrl_trainer.rollout import generate_batch_with_logprobs, generate_with_logprobs
+from jetrl_trainer.rollout import Rollout
 
 __all__ = ["JetGRPOTrainer"]
 
@@ -62,36 +67,22 @@ class JetGRPOTrainer(GRPOTrainer):
     """GRPO in FP8/NVFP4: unified precision flow or corrected BF16/FP8 baseline, on `trl.GRPOTrainer`.
 
     Use it exactly like ``trl.GRPOTrainer``, with a [`JetGRPOConfig`] (``train_precision``,
-    ``rollout_precision``, ``corrector`` and friends). ``model`` may be a model id (loaded with
-    ``args.model_init_kwargs``), a model object, or a peft model (only the frozen base layers are
-    quantized; adapters stay in their dtype); the model is converted in place.
+    ``rollout_precision``, ``corrector``, ``rollout_backend`` and friends). ``model`` may be a model
+    id (loaded with ``args.model_init_kwargs``), a model object, or a peft model (only the frozen
+    base layers are quantized; adapters stay in their dtype); the model is converted in place.
+    A LLaDA (masked-diffusion) model, or an id of one, trains through the same class: it gets the
+    diffusion backend and scorer (docs/llada.md).
 
-    Overrides ``__new__`` (diffusion routing, below), ``__init__``, ``_generate_single_turn``, ``_generate_and_score_completions``,
-    ``_compute_loss``, ``training_step``, ``create_optimizer``, ``log``, ``_save`` and
-    ``create_model_card``; everything else is inherited. Subclass hooks: ``_rollout`` and
-    ``_train_logps``.
+    Overrides ``__init__``, ``_generate_single_turn``, ``_generate_and_score_completions``,
+    ``_get_per_token_logps_and_entropies``, ``_compute_loss``, ``training_step``,
+    ``create_optimizer``, ``log``, ``_save`` and ``create_model_card``; everything else is inherited.
 
-    Not supported: vLLM (refused by the config), multimodal prompts.
-
-    A LLaDA (masked-diffusion) model, or a checkpoint id of one, makes ``__new__`` return a subclass
-    with `DiffusionGRPOMixin` in front (diffusion rollouts and estimated log-probs; see
-    ``jetrl_trainer/diffusion/grpo.py`` and docs/llada.md).
+    Not supported: vLLM (refused by the config), multimodal prompts; tools and environments with a
+    diffusion LM.
     """
 
     _tag_names = ["trl", "grpo", "jetrl"]
     _name = "JetRL GRPO"
-
-    def __new__(cls, model: Any = None, reward_funcs: Any = None, args: Any = None, **kwargs: Any):
-        # A masked-diffusion LM (LLaDA) gets DiffusionGRPOMixin in front: diffusion rollouts and
-        # estimated log-probs; everything else stays this class's (jetrl_trainer/diffusion/grpo.py).
-        from jetrl_trainer.diffusion.grpo import (
-            diffusion_trainer_class,
-            is_diffusion_source,
-        )
-
-        if is_diffusion_source(model, args):
-            cls = diffusion_trainer_class(cls)
-        return super().__new__(cls)
 
     def __init__(self, model: Any, reward_funcs: Any = None, args: JetGRPOConfig | None = None, **kwargs: Any):
         if args is None:
@@ -101,12 +92,25 @@ class JetGRPOTrainer(GRPOTrainer):
             raise ValueError(
                 f"JetGRPOTrainer needs a JetGRPOConfig (it accepts every GRPOConfig field); got {type(args).__name__}."
             )
+        if kwargs.get("peft_config") is not None:
+            kwargs["peft_config"] = resolve_lora_preset(kwargs["peft_config"])
+        if not isinstance(model, str) and is_diffusion_model(model):  # before TRL's init applies LoRA
+            _check_diffusion_kwargs(kwargs)
         super().__init__(model, reward_funcs, args=args, **kwargs)
         if self._is_vlm:
             raise ValueError("JetGRPOTrainer supports text-only models; multimodal processors are not supported.")
+        diffusion = is_diffusion_model(self.accelerator.unwrap_model(self.model))
+        if diffusion and isinstance(model, str):  # known only once TRL has loaded the id
+            _check_diffusion_kwargs(kwargs)
         params = args.corrector_params() if isinstance(args.corrector, str) else {}
         self.corrector = get_corrector(args.corrector, **params)
         self._quantize_models()
+        self.rollout_backend, self.rollout_sampling = build_rollout_backend(self, diffusion=diffusion)
+        self.policy_scorer = build_policy_scorer(
+            self, diffusion=diffusion, trl_token_logps=super()._get_per_token_logps_and_entropies
+        )
+        self._active_slices: Tensor | None = None  # see _scoring
+        self._logprob_sources: set[str] = set()
         self._guard = NonFiniteGuard(lambda flag: any_across_processes(flag, self.accelerator.device))
         self._jet_sums: dict[str, dict[str, Tensor] | None] = {"train": None, "eval": None}
 
@@ -136,83 +140,77 @@ class JetGRPOTrainer(GRPOTrainer):
         a = self.args
         return a.corrector_active or a.train_precision != a.rollout_precision or a.log_mismatch
 
-    # ------------------------------------------------------------------ rollout
+    # ------------------------------------------------------------------ rollout (TRL hook)
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         if images or multimodal_fields or has_tool_images:
             raise ValueError("JetGRPOTrainer supports text-only rollouts; got images or multimodal fields.")
-        with precision_phase("rollout"):
-            return self._rollout(prompt_ids)
-
-    def _rollout(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
-        """Hook: one completion per prompt, and the log-prob of every completion token under the
-        distribution it was sampled from. Called inside ``precision_phase("rollout")``."""
-        cb = self.use_transformers_continuous_batching
+        backend = self.rollout_backend
         with (
+            precision_phase("rollout"),
             unwrap_model_for_generation(
                 self.model_wrapped,
                 self.accelerator,
                 gather_deepspeed3_params=self.args.ds3_gather_for_generation,
-                generation_kwargs=None if cb else self.generation_kwargs,
+                generation_kwargs=self.generation_kwargs if backend.name == "hf" else None,
                 gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
             ) as unwrapped_model,
             torch.no_grad(),
             self._dist.summon_full_params(self.model_wrapped, recurse=False),
         ):
-            if cb:  # unlike TRL's CB branch, the model is not cast to the autocast dtype: recipes decide
-                return generate_batch_with_logprobs(
-                    unwrapped_model, prompt_ids, self.generation_config, self.continuous_batching_config
-                )
-            return generate_with_logprobs(
-                unwrapped_model,
-                prompt_ids,
-                self.generation_config,
-                pad_token_id=self._tokenizer.pad_token_id,
-                eos_token_ids=self.eos_token_ids,
-                pad_to_multiple_of=self.pad_to_multiple_of,
-                device=self.accelerator.device,
-            )
+            rollout = backend.generate(unwrapped_model, prompt_ids, self.rollout_sampling)
+        self._note_logprob_source(rollout)
+        return rollout.completion_ids, rollout.logprobs
 
-    # ------------------------------------------------------------------ old log-probs + corrector
+    def _note_logprob_source(self, rollout: Rollout) -> None:
+        if rollout.logprob_source not in self._logprob_sources:
+            self._logprob_sources.add(rollout.logprob_source)
+            logger.info("jetrl: %s rollout log-probs %s", self.rollout_backend.name, rollout.logprob_source)
 
-    def _train_logps(self, batch: dict[str, Any]) -> Tensor:
-        """Hook: log-probs ``[B, T]`` of the completion tokens under the training precision, no grad."""
-        return self._phase_logps(batch, "train")
-
-    def _phase_logps(self, batch: dict[str, Any], phase: str) -> Tensor:
-        """Log-probs of a generated batch's completion tokens in ``phase``'s precision, no grad."""
-        input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
-        attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
-        mode = "train" if self.model.training else "eval"
-        batch_size = self.args.per_device_train_batch_size if mode == "train" else self.args.per_device_eval_batch_size
-        with (
-            torch.no_grad(),
-            disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs),
-            precision_phase(phase),
-        ):
-            logps, _, _ = self._get_per_token_logps_and_entropies(
-                self.model, input_ids, attention_mask, batch["completion_ids"].size(1), batch_size=batch_size
-            )
-        return logps
+    # ------------------------------------------------------------------ scoring + corrector (TRL hooks)
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
-        batch = super()._generate_and_score_completions(inputs)
-        if not self._needs_train_logps:
-            return batch
-        sampling = batch.get("sampling_per_token_logps")
-        if sampling is None:  # only a user rollout_func can get here
-            if self.args.corrector_active:
-                raise ValueError("corrector needs sampling log-probs, but the rollout_func returned logprobs=None.")
-            return batch
-        train = batch.get("old_per_token_logps")
-        if train is None:  # TRL skips it when it equals the loss's own forward; we need it now
-            train = batch["old_per_token_logps"] = self._train_logps(batch)
-        mask = batch["completion_mask"] if "tool_mask" not in batch else batch["completion_mask"] * batch["tool_mask"]
-        correction = self.corrector(train, sampling, mask, batch["advantages"])
-        self._add_sums("train" if self.model.training else "eval", correction.sums)
-        if self.args.corrector_active:
-            batch["importance_sampling_ratio"] = correction.weights.to(sampling.dtype)
+        mode = "train" if self.model.training else "eval"
+        device = self.accelerator.device
+        slices = {k: v.to(device).expand(len(inputs), -1) for k, v in self.policy_scorer.new_slices(mode).items()}
+        with self._scoring(next(iter(slices.values()), None)):  # TRL's reference / old log-prob calls
+            batch = super()._generate_and_score_completions(inputs)
+        batch.update({k: v.clone() for k, v in slices.items()})
+        if self._needs_train_logps:
+            self._correct(batch, mode)
         return batch
+
+    def _correct(self, batch: dict[str, Any], mode: str) -> None:
+        """Sampling and old log-probs of every slice, corrector weights and mismatch sums (in place)."""
+        sampling = batch.get("sampling_per_token_logps")
+        sampling = self._score(batch, "rollout") if sampling is None else self._as_slices(sampling)
+        train = batch.get("old_per_token_logps")  # TRL skips it when it equals the loss's own forward
+        train = self._score(batch, "train") if train is None else self._as_slices(train)
+        batch["sampling_per_token_logps"] = self._from_slices(sampling)
+        batch["old_per_token_logps"] = self._from_slices(train)
+        mask = batch["completion_mask"] if "tool_mask" not in batch else batch["completion_mask"] * batch["tool_mask"]
+        weights = []
+        for k in range(sampling.shape[1]):
+            correction = self.corrector(train[:, k], sampling[:, k], mask, batch["advantages"])
+            self._add_sums(mode, correction.sums)
+            weights.append(correction.weights.to(sampling.dtype))
+        if self.args.corrector_active:
+            batch["importance_sampling_ratio"] = self._from_slices(torch.stack(weights, dim=1))
+
+    def _score(self, batch: dict[str, Any], phase: str) -> Tensor:
+        """The scorer's log-probs ``(B, K, T)`` of a generated batch in ``phase``, no grad."""
+        mode = "train" if self.model.training else "eval"
+        batch_size = self.args.per_device_train_batch_size if mode == "train" else self.args.per_device_eval_batch_size
+        with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+            if phase == "rollout":
+                return self.policy_scorer.rollout_logps(self.model, batch, batch_size=batch_size)
+            return self.policy_scorer.logps(self.model, batch, phase, batch_size=batch_size)
+
+    def _as_slices(self, t: Tensor) -> Tensor:
+        return t if self.policy_scorer.sliced else t[:, None]
+
+    def _from_slices(self, t: Tensor) -> Tensor:
+        return t if self.policy_scorer.sliced else t[:, 0]
 
     def _add_sums(self, mode: str, sums: dict[str, Tensor]) -> None:
         """Reduce over processes now (every rank is here together), accumulate until the next log."""
@@ -220,16 +218,46 @@ class JetGRPOTrainer(GRPOTrainer):
         previous = self._jet_sums[mode]
         self._jet_sums[mode] = sums if previous is None else merge_sums(previous, sums)
 
+    @contextlib.contextmanager
+    def _scoring(self, slices: Tensor | None) -> Iterator[None]:
+        """The slices that TRL's log-prob calls in the block score.
+
+        TRL calls ``_get_per_token_logps_and_entropies`` with input ids only (the reference
+        log-probs while scoring a generation, the current ones in the loss): these two callers say
+        which slices (mask seeds) apply. ``None``: one unsliced log-prob per token (K = 1).
+        """
+        previous, self._active_slices = self._active_slices, slices
+        try:
+            yield
+        finally:
+            self._active_slices = previous
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           compute_entropy=False, compute_aux_loss=False, **multimodal):  # fmt: skip
+        return self.policy_scorer.token_logps(
+            model, input_ids, attention_mask, logits_to_keep, self._active_slices, batch_size=batch_size,
+            compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **multimodal,
+        )  # fmt: skip
+
+    def _inner_iteration(self) -> int:
+        """Which of the ``num_iterations`` passes over the buffered generation batch this micro-step is."""
+        if not self.model.training:
+            return 0
+        return (self._step // self.args.steps_per_generation) % self.num_iterations
+
     # ------------------------------------------------------------------ loss
 
     def _compute_loss(self, model, inputs):
-        if "importance_sampling_ratio" not in inputs:
-            return super()._compute_loss(model, inputs)
-        # TRL applies `per_token_loss *= inputs["importance_sampling_ratio"]` (after the clipped
-        # surrogate, before the KL term) only under these two flags. Within `_compute_loss` they guard
-        # nothing else, so raising them for this call puts our weights there for every loss_type.
-        with _attributes(self, use_vllm=True, vllm_importance_sampling_correction=True):
-            return super()._compute_loss(model, inputs)
+        inputs = self.policy_scorer.select(inputs, self._inner_iteration())
+        with self._scoring(self.policy_scorer.slices_of(inputs)):
+            if "importance_sampling_ratio" not in inputs:
+                return super()._compute_loss(model, inputs)
+            # TRL applies `per_token_loss *= inputs["importance_sampling_ratio"]` (after the clipped
+            # surrogate, before the KL term) only under these two flags. Within `_compute_loss` they
+            # guard nothing else (tests/test_trl_contract.py), so raising them for this call puts our
+            # weights there for every loss_type without copying the method.
+            with _attributes(self, use_vllm=True, vllm_importance_sampling_correction=True):
+                return super()._compute_loss(model, inputs)
 
     # ------------------------------------------------------------------ non-finite guard
 
@@ -279,3 +307,14 @@ def _attributes(obj: Any, **values: Any) -> Iterator[None]:
     finally:
         for name, value in saved.items():
             setattr(obj, name, value)
+
+
+def _check_diffusion_kwargs(kwargs: dict[str, Any]) -> None:
+    """What a diffusion LM cannot do with GRPO here, refused at construction."""
+    if kwargs.get("tools") or kwargs.get("environment_factory") is not None:
+        raise ValueError(
+            "tool calling and environments are not supported for diffusion LMs (multi-turn rollouts assume "
+            "left-to-right generation); remove tools= / environment_factory=."
+        )
+    if kwargs.get("peft_config") is not None:
+        check_lora_targets(kwargs["peft_config"])

@@ -1,5 +1,5 @@
 """JetGRPOTrainer on a tiny LLaDA: diffusion rollouts, estimated log-probs, one mask seed per inner
-iteration, every strategy, LoRA, KL, saving (jetrl_trainer/diffusion/grpo.py)."""
+iteration, every strategy, LoRA, KL, saving (jetrl_trainer/diffusion/rollout.py, scoring.py)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,10 @@ from torch import nn
 
 from jetrl_trainer import JetGRPOConfig, JetGRPOTrainer
 from jetrl_trainer.correctors import MISMATCH_METRICS
-from jetrl_trainer.diffusion import build_tiny_llada, grpo, mean_field_logps, register_estimator
-from jetrl_trainer.diffusion.grpo import DiffusionGRPOMixin, DiffusionSampling, select_iteration
+from jetrl_trainer.diffusion import DiffusionBackend, DiffusionSampling, DiffusionScorer, build_tiny_llada
+from jetrl_trainer.diffusion import mask_seeds_for_step, mean_field_logps, register_estimator
+from jetrl_trainer.diffusion import rollout as diffusion_rollout
+from jetrl_trainer.diffusion.scoring import select_iteration
 from jetrl_trainer.quant import QuantLinear, current_phase
 
 GEN_LENGTH, STEPS = 8, 4
@@ -75,7 +77,8 @@ def runs(tmp_path_factory):
 def test_strategy_trains_and_logs(runs, strategy):
     run = runs(strategy)
     trainer = run["trainer"]
-    assert isinstance(trainer, DiffusionGRPOMixin) and isinstance(trainer, JetGRPOTrainer)
+    assert type(trainer) is JetGRPOTrainer  # one trainer class: a diffusion LM is another backend + scorer
+    assert isinstance(trainer.rollout_backend, DiffusionBackend) and isinstance(trainer.policy_scorer, DiffusionScorer)
     assert sorted(run["changed"]) == sorted(n for n, _ in trainer.model.named_parameters())
     logs = run["logs"]
     expected = (*MISMATCH_METRICS, "corrector/weight_mean", "corrector/weight_min", "corrector/weight_max")
@@ -154,7 +157,7 @@ def test_one_mask_seed_per_iteration_shared_by_old_rollout_and_current(tmp_path)
     rollout = [c for c in RECORD if c["phase"] == "rollout"]
     current = [c for c in RECORD if c["grad"]]
     assert len(old) == len(rollout) == len(current) == 2 * 8  # 2 iterations x 8 rows
-    seeds = grpo.mask_seeds_for_step(0, 0, 2)
+    seeds = mask_seeds_for_step(0, 0, 2)
     assert seeds[0] != seeds[1]
     for calls in (old, rollout, current):  # the loss: two micro-steps of iteration 0, then two of iteration 1
         assert [c["seed"] for c in calls] == [seeds[0]] * 8 + [seeds[1]] * 8
@@ -179,7 +182,7 @@ def test_per_iteration_tensors_are_batch_first_and_completions_stop_at_eos(tmp_p
             canvas[row, position:] = eos  # LLaDA fills the rest of the canvas with EOS
         return torch.cat([prompt_ids, canvas], dim=1)
 
-    monkeypatch.setattr(grpo, "generate", fake_generate)
+    monkeypatch.setattr(diffusion_rollout, "generate", fake_generate)
     RECORD.clear()
     trainer = make_trainer(
         tmp_path, train_precision="bf16", rollout_precision="fp8", corrector="mis", num_iterations=3,
@@ -213,7 +216,7 @@ def test_kl_to_a_reference_loaded_from_a_published_layout_checkpoint(tmp_path):
                            train_precision="bf16", rollout_precision="fp8", corrector="tis",
                            model_init_kwargs={"dtype": "float32"}),
     )  # fmt: skip
-    assert isinstance(trainer, DiffusionGRPOMixin) and trainer.ref_model is not None
+    assert isinstance(trainer.policy_scorer, DiffusionScorer) and trainer.ref_model is not None
     logs, counts = train(trainer)
     later = [log for log in trainer.state.log_history if "loss" in log][1]
     assert logs["kl"] == 0.0  # the reference is the policy before the first update, in the train precision
@@ -292,11 +295,16 @@ def test_unknown_estimator_is_refused(tmp_path):
         make_trainer(tmp_path, likelihood_estimator="elbo_42")
 
 
-def test_autoregressive_models_keep_the_plain_trainer(tmp_path):
+def test_autoregressive_models_get_the_autoregressive_backend_and_scorer(tmp_path):
     from _trainer_utils import tiny_model
+
+    from jetrl_trainer.rollout import HFGenerateBackend
+    from jetrl_trainer.scoring import AutoregressiveScorer
 
     trainer = make_trainer(tmp_path, tiny_model())
     assert type(trainer) is JetGRPOTrainer
+    assert isinstance(trainer.rollout_backend, HFGenerateBackend)
+    assert isinstance(trainer.policy_scorer, AutoregressiveScorer) and not trainer.policy_scorer.sliced
 
 
 @pytest.mark.parametrize(

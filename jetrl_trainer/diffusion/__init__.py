@@ -1,4 +1,5 @@
-"""LLaDA (masked-diffusion LM): modeling, sampler, likelihood estimator, LoRA presets.
+"""LLaDA (masked-diffusion LM): modeling, sampler, likelihood estimator, LoRA presets, and the
+rollout backend and policy scorer that `JetGRPOTrainer` uses for it.
 
 Importing this package registers ``model_type="llada"`` with ``AutoConfig``, ``AutoModel`` and
 ``AutoModelForCausalLM``, so the published checkpoints load with our code and no remote code::
@@ -22,9 +23,11 @@ from .likelihood import (
     mean_field_logps,
     register_estimator,
 )
-from .lora import LLADA_LM_HEAD, LORA_PRESETS, lora_target_modules
+from .lora import LLADA_LM_HEAD, LORA_PRESETS, check_lora_targets, lora_target_modules
 from .modeling_llada import LLaDAModel, LLaDAModelLM
+from .rollout import DiffusionBackend, DiffusionSampling
 from .sampler import DenoiseStepInfo, generate
+from .scoring import DiffusionScorer
 from .tiny import build_tiny_llada, tiny_llada_config
 
 __all__ = [
@@ -43,6 +46,10 @@ __all__ = [
     "LLADA_LM_HEAD",
     "LORA_PRESETS",
     "lora_target_modules",
+    "check_lora_targets",
+    "DiffusionBackend",
+    "DiffusionSampling",
+    "DiffusionScorer",
     "build_tiny_llada",
     "tiny_llada_config",
 ]

@@ -17,7 +17,10 @@ Presets:
 
 from __future__ import annotations
 
-__all__ = ["LLADA_LM_HEAD", "LORA_PRESETS", "lora_target_modules"]
+import copy
+from typing import Any
+
+__all__ = ["LLADA_LM_HEAD", "LORA_PRESETS", "check_lora_targets", "lora_target_modules", "resolve_lora_preset"]
 
 LLADA_LM_HEAD = "model.transformer.ff_out"
 """Fully qualified name of the LM head inside :class:`LLaDAModelLM` (keep it out of LoRA / quantization)."""
@@ -40,3 +43,36 @@ def lora_target_modules(preset: str = "all_linear") -> str:
     names = "|".join(LORA_PRESETS[preset])
     # ``(.*\.)?`` keeps the regex valid under any wrapper prefix (peft's ``base_model.model.``).
     return rf"(.*\.)?blocks\.\d+\.({names})"
+
+
+def resolve_lora_preset(peft_config: Any) -> Any:
+    """A copy of ``peft_config`` whose ``target_modules`` preset name (``"all_linear"``, ...) is its regex.
+
+    Any other config is returned as it is. Preset names are no valid peft target for any model (peft
+    full-matches a string against whole module names), so resolving them before peft sees the
+    config cannot change what another model's LoRA adapts.
+    """
+    targets = getattr(peft_config, "target_modules", None)
+    if not (isinstance(targets, str) and targets in LORA_PRESETS):
+        return peft_config
+    peft_config = copy.copy(peft_config)
+    peft_config.target_modules = lora_target_modules(targets)
+    return peft_config
+
+
+def check_lora_targets(peft_config: Any) -> None:
+    """Refuse a LoRA config that would adapt LLaDA's LM head (``model.transformer.ff_out``).
+
+    A plain list such as ``["ff_out"]`` catches the head too (it shares the MLP's suffix).
+    """
+    targets = getattr(peft_config, "target_modules", None)
+    if targets is None:
+        return
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    if check_target_module_exists(resolve_lora_preset(peft_config), LLADA_LM_HEAD):
+        raise ValueError(
+            f"LoRA target_modules={targets!r} would put an adapter on LLaDA's LM head {LLADA_LM_HEAD!r} (the "
+            "MLP down projections and the head share the name 'ff_out'). Use a preset: target_modules="
+            f"'all_linear' (or one of {sorted(LORA_PRESETS)}), or jetrl_trainer.diffusion.lora_target_modules()."
+        )

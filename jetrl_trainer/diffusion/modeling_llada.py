@@ -41,7 +41,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import GenerationConfig, PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -244,6 +244,10 @@ class LLaDAModelLM(PreTrainedModel):
     def __init__(self, config: LLaDAConfig):
         super().__init__(config)
         self.model = LLaDAModel(config)
+        if getattr(self, "generation_config", None) is None:
+            # transformers gives one only to models that can_generate(); trainers (TRL's GRPO) read
+            # pad / eos from it, so a LLaDA id loads and trains like any other model id.
+            self.generation_config = GenerationConfig(eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id)
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:

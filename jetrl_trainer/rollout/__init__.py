@@ -1,20 +1,30 @@
-"""Producing completions and their sampling log-probs (the rollout half of a GRPO step).
+"""Rollout backends: completions and their sampling log-probs (the rollout half of a GRPO step).
 
-* `generate_with_logprobs` — transformers ``generate`` (TRL's default path), log-probs recorded by
+A backend is ``generate(model, prompt_ids, sampling) -> Rollout`` (`RolloutBackend`), chosen with
+``JetGRPOConfig.rollout_backend``:
+
+* `HFGenerateBackend` (``"hf"``) — transformers ``generate``; log-probs recorded by
   `SampledLogprobRecorder` under the distribution actually sampled from.
-* `generate_batch_with_logprobs` — transformers continuous batching
-  (``use_transformers_continuous_batching=True``), log-probs from the engine.
-* `processed_logprobs` — the teacher-forced counterpart, for checks.
+* `ContinuousBatchingBackend` (``"continuous"``) — transformers continuous batching; log-probs from
+  its engine.
+* ``"diffusion"`` — the LLaDA sampler, `jetrl_trainer.diffusion.rollout.DiffusionBackend`.
 
-Both run in the active precision phase; the trainer wraps them in ``precision_phase("rollout")``.
-vLLM is not covered: it would not run our quantized modules.
+Each runs in the active precision phase; the trainer wraps it in ``precision_phase("rollout")``.
+`processed_logprobs` is the teacher-forced counterpart of the recorder (the trainer's fallback when
+a backend records nothing, and the tests' check).
 """
 
-from .continuous import generate_batch_with_logprobs, phase_around_forward
-from .hf_generate import generate_with_logprobs, left_pad, truncate_after_eos
+from .base import ROLLOUT_BACKENDS, Rollout, RolloutBackend
+from .continuous import ContinuousBatchingBackend, generate_batch_with_logprobs, phase_around_forward
+from .hf_generate import HFGenerateBackend, generate_with_logprobs, left_pad, truncate_after_eos
 from .sampling import SampledLogprobRecorder, processed_logprobs, sampling_warpers, split_sampling_config
 
 __all__ = [
+    "ROLLOUT_BACKENDS",
+    "ContinuousBatchingBackend",
+    "HFGenerateBackend",
+    "Rollout",
+    "RolloutBackend",
     "SampledLogprobRecorder",
     "generate_batch_with_logprobs",
     "generate_with_logprobs",

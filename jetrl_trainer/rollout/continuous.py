@@ -23,7 +23,9 @@ from transformers import GenerationConfig
 
 from jetrl_trainer.quant.phase import precision_phase
 
-__all__ = ["generate_batch_with_logprobs", "phase_around_forward"]
+from .base import Rollout, RolloutBackend
+
+__all__ = ["ContinuousBatchingBackend", "generate_batch_with_logprobs", "phase_around_forward"]
 
 
 @contextlib.contextmanager
@@ -90,3 +92,20 @@ def generate_batch_with_logprobs(
         completion_ids.append(list(out.generated_tokens))
         logprobs.append([float(x) for x in out.logprobs])
     return completion_ids, logprobs
+
+
+class ContinuousBatchingBackend(RolloutBackend):
+    """``rollout_backend="continuous"``: transformers continuous batching (``generate_batch``).
+
+    The engine reports the sampling log-probs itself; no CUDA graphs (see
+    `generate_batch_with_logprobs`).
+    """
+
+    name = "continuous"
+
+    def __init__(self, continuous_batching_config) -> None:
+        self.continuous_batching_config = continuous_batching_config
+
+    def generate(self, model: nn.Module, prompt_ids: Sequence[Sequence[int]], sampling: GenerationConfig) -> Rollout:
+        ids, logprobs = generate_batch_with_logprobs(model, prompt_ids, sampling, self.continuous_batching_config)
+        return Rollout(ids, logprobs)

@@ -4,6 +4,10 @@ Departs from TRL 1.16's HF branch of ``_generate_single_turn`` (which returns ``
 one way: the sampling warpers run as an explicit processor list ending in a
 `SampledLogprobRecorder`, so each generated token comes with ``log p`` under the distribution it was
 drawn from. Text-only: prompts are lists of token ids.
+
+Why a recorder and not ``output_scores=True`` (the public way to get processed scores): the scores
+of every step are kept until ``generate`` returns, ``[B, T, V]`` floats (10 GB for 64 × 256 tokens
+of a 152k vocabulary); the recorder holds one ``[B, V]`` row at a time.
 """
 
 from __future__ import annotations
@@ -14,9 +18,10 @@ import torch
 from torch import Tensor, nn
 from transformers import GenerationConfig
 
+from .base import Rollout, RolloutBackend
 from .sampling import SampledLogprobRecorder, split_sampling_config
 
-__all__ = ["generate_with_logprobs", "left_pad", "truncate_after_eos"]
+__all__ = ["HFGenerateBackend", "generate_with_logprobs", "left_pad", "truncate_after_eos"]
 
 
 def left_pad(
@@ -57,25 +62,77 @@ def generate_with_logprobs(
     eos_token_ids: Sequence[int],
     pad_to_multiple_of: int | None = None,
     device: torch.device | str | None = None,
-) -> tuple[list[list[int]], list[list[float]]]:
+) -> tuple[list[list[int]], list[list[float]] | None]:
     """Sample one completion per prompt; return completion ids and per-token sampling log-probs.
 
-    Both lists are cut after the first EOS. Runs in whatever precision phase is active: the
-    caller wraps it in ``precision_phase("rollout")``.
+    Both lists are cut after the first EOS. The log-probs are ``None`` where they cannot be
+    recorded (see `HFGenerateBackend`). Runs in whatever precision phase is active: the caller
+    wraps it in ``precision_phase("rollout")``.
     """
-    stripped_config, warpers = split_sampling_config(generation_config)
-    recorder = SampledLogprobRecorder()
-    warpers.append(recorder)
-    input_ids, attention_mask = left_pad(prompt_ids, pad_token_id, pad_to_multiple_of)
-    device = device if device is not None else next(model.parameters()).device
-    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-    sequences = model.generate(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        generation_config=stripped_config,
-        logits_processor=warpers,
-    )
-    prompt_len = input_ids.size(1)
-    completion_ids = sequences[:, prompt_len:]
-    logprobs = recorder.finish(sequences, completion_ids.size(1))
-    return truncate_after_eos(completion_ids, logprobs, eos_token_ids)
+    rollout = HFGenerateBackend(
+        pad_token_id=pad_token_id, eos_token_ids=eos_token_ids, pad_to_multiple_of=pad_to_multiple_of, device=device
+    ).generate(model, prompt_ids, generation_config)
+    return rollout.completion_ids, rollout.logprobs
+
+
+class HFGenerateBackend(RolloutBackend):
+    """``rollout_backend="hf"``: transformers ``generate``, the reference backend (CPU and GPU).
+
+    The sampling warpers run as an explicit processor list ending in a `SampledLogprobRecorder`,
+    so each token comes with ``log p`` under the distribution it was drawn from. Two cases return
+    ``logprobs=None`` instead (the trainer then scores the tokens with a rollout-phase forward):
+    beam search or greedy decoding (no single per-token sampling distribution), and a ``generate``
+    that did not run the processors it was handed (a stub or wrapper; the recorder saw too few steps).
+    """
+
+    name = "hf"
+
+    def __init__(
+        self,
+        *,
+        pad_token_id: int,
+        eos_token_ids: Sequence[int],
+        pad_to_multiple_of: int | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        self.pad_token_id = pad_token_id
+        self.eos_token_ids = list(eos_token_ids)
+        self.pad_to_multiple_of = pad_to_multiple_of
+        self.device = device
+
+    @torch.no_grad()
+    def generate(
+        self, model: nn.Module, prompt_ids: Sequence[Sequence[int]], sampling: GenerationConfig
+    ) -> Rollout:
+        unrecordable = _unrecordable_reason(sampling)
+        if unrecordable is None:
+            config, processors = split_sampling_config(sampling)
+            recorder = SampledLogprobRecorder()
+            processors.append(recorder)
+        else:
+            config, processors, recorder = sampling, None, None
+        input_ids, attention_mask = left_pad(prompt_ids, self.pad_token_id, self.pad_to_multiple_of)
+        device = self.device if self.device is not None else next(model.parameters()).device
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+        sequences = model.generate(
+            input_ids=input_ids, attention_mask=attention_mask, generation_config=config, logits_processor=processors
+        )
+        completion_ids = sequences[:, input_ids.size(1) :]
+        num_new = completion_ids.size(1)
+        if recorder is not None and not recorder.covers(num_new):
+            recorder.reset()
+            unrecordable = "generate did not run the recording logits processor (a stub or wrapper of generate?)"
+        if unrecordable is not None:
+            ids, _ = truncate_after_eos(completion_ids, torch.zeros(completion_ids.shape), self.eos_token_ids)
+            return Rollout(ids, None, f"scored by a rollout-phase forward: {unrecordable}")
+        ids, logprobs = truncate_after_eos(completion_ids, recorder.finish(sequences, num_new), self.eos_token_ids)
+        return Rollout(ids, logprobs)
+
+
+def _unrecordable_reason(config: GenerationConfig) -> str | None:
+    """Why a per-token sampling log-prob is not defined for this decoding mode, or None."""
+    if (config.num_beams or 1) > 1:
+        return f"beam search (num_beams={config.num_beams}) has no per-token sampling distribution"
+    if not config.do_sample:
+        return "greedy decoding (do_sample=False) samples from no distribution"
+    return None

@@ -55,12 +55,23 @@ class SampledLogprobRecorder(LogitsProcessor):
         self._prev = torch.log_softmax(scores.float(), dim=-1)
         return scores
 
+    def covers(self, num_new_tokens: int) -> bool:
+        """Whether every one of ``num_new_tokens`` sampled tokens passed through this recorder.
+
+        False when something called ``generate`` without running the processors it was handed
+        (a stub or wrapper of ``generate``); the caller then scores the tokens another way.
+        """
+        return len(self._steps) + (self._prev is not None) >= num_new_tokens
+
+    def reset(self) -> None:
+        self._prev, self._steps = None, []
+
     def finish(self, sequences: Tensor, num_new_tokens: int) -> Tensor:
         """Log-probs ``[B, num_new_tokens]`` of the last ``num_new_tokens`` columns of ``sequences``."""
         steps = self._steps
         if self._prev is not None and len(steps) < num_new_tokens:
             steps = [*steps, self._prev.gather(-1, sequences[:, -1:]).squeeze(-1)]
-        self._prev, self._steps = None, []
+        self.reset()
         if len(steps) < num_new_tokens:
             raise RuntimeError(
                 f"recorded {len(steps)} sampling steps but generate returned {num_new_tokens} new tokens; was the "

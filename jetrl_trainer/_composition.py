@@ -1,0 +1,84 @@
+"""Which rollout backend and policy scorer a trainer gets (DESIGN §4), chosen once at init."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from jetrl_trainer.rollout import ContinuousBatchingBackend, HFGenerateBackend, RolloutBackend
+from jetrl_trainer.scoring import AutoregressiveScorer, PolicyScorer
+
+__all__ = ["build_policy_scorer", "build_rollout_backend", "resolve_rollout_backend"]
+
+logger = logging.getLogger("jetrl_trainer")
+
+
+def resolve_rollout_backend(requested: str, *, diffusion: bool, continuous_batching: bool) -> tuple[str, str]:
+    """The backend to build for ``requested`` (a `JetGRPOConfig.rollout_backend` value), and why.
+
+    Refuses a backend that cannot serve the model, with the setting to use instead.
+    """
+    if diffusion:
+        if requested == "continuous" or continuous_batching:
+            raise ValueError(
+                "use_transformers_continuous_batching / rollout_backend='continuous' applies to autoregressive "
+                "models only; LLaDA samples with jetrl_trainer.diffusion.generate. Set rollout_backend='auto'."
+            )
+        if requested in ("auto", "diffusion"):
+            return "diffusion", "the model is a masked-diffusion LM (LLaDA)"
+        raise ValueError(f"rollout_backend={requested!r} cannot sample a diffusion LM (LLaDA); use 'auto' or 'diffusion'.")
+    if requested == "diffusion":
+        raise ValueError("rollout_backend='diffusion' needs a masked-diffusion LM (LLaDA); use 'auto' or 'hf'.")
+    if requested == "continuous" or (requested == "auto" and continuous_batching):
+        return "continuous", "use_transformers_continuous_batching=True"
+    if requested == "hf":
+        return "hf", "requested"
+    return "hf", "transformers generate, the reference backend (the fast engine is not in this release)"
+
+
+def build_rollout_backend(trainer: Any, *, diffusion: bool) -> tuple[RolloutBackend, Any]:
+    """The trainer's backend and the sampling settings it is called with; logs the choice once."""
+    args = trainer.args
+    name, why = resolve_rollout_backend(
+        args.rollout_backend, diffusion=diffusion, continuous_batching=args.use_transformers_continuous_batching
+    )
+    logger.info("jetrl: rollout backend %r (%s)", name, why)
+    tokenizer, device = trainer._tokenizer, trainer.accelerator.device
+    if name == "diffusion":
+        from jetrl_trainer.diffusion.rollout import DiffusionBackend, DiffusionSampling
+
+        backend = DiffusionBackend(
+            mask_token_id=_mask_token_id(trainer), pad_token_id=tokenizer.pad_token_id,
+            eos_token_ids=trainer.eos_token_ids, pad_to_multiple_of=trainer.pad_to_multiple_of, device=device,
+            show_progress=not args.disable_tqdm and trainer.accelerator.is_local_main_process,
+        )  # fmt: skip
+        return backend, DiffusionSampling.from_args(args)
+    if name == "continuous":
+        return ContinuousBatchingBackend(trainer.continuous_batching_config), trainer.generation_config
+    backend = HFGenerateBackend(
+        pad_token_id=tokenizer.pad_token_id, eos_token_ids=trainer.eos_token_ids,
+        pad_to_multiple_of=trainer.pad_to_multiple_of, device=device,
+    )  # fmt: skip
+    return backend, trainer.generation_config
+
+
+def build_policy_scorer(trainer: Any, *, diffusion: bool, trl_token_logps: Any) -> PolicyScorer:
+    """K = 1 TRL log-probs for autoregressive models; per-iteration mask-seed slices for diffusion."""
+    args = trainer.args
+    if not diffusion:
+        return AutoregressiveScorer(trl_token_logps, trainer.generation_config, trainer.accelerator.autocast)
+    from jetrl_trainer.diffusion.scoring import DiffusionScorer
+
+    return DiffusionScorer(
+        estimator=args.likelihood_estimator, p_mask_prompt=args.p_mask_prompt, gen_length=args.max_completion_length,
+        mask_token_id=_mask_token_id(trainer), temperature=trainer.temperature, seed=args.seed,
+        num_iterations=trainer.num_iterations, entropy_grad=trainer._entropy_bonus_enabled,
+        autocast=trainer.accelerator.autocast,
+    )  # fmt: skip
+
+
+def _mask_token_id(trainer: Any) -> int:
+    config = trainer.accelerator.unwrap_model(trainer.model).config
+    if getattr(config, "mask_token_id", None) is None:
+        raise ValueError("the diffusion model's config has no mask_token_id; set config.mask_token_id.")
+    return int(config.mask_token_id)
