@@ -8,6 +8,7 @@ computes ``d = c + deq(a) @ deq(b).T`` with the emulated backend's exact math.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import math
 import sys
@@ -129,6 +130,16 @@ def test_registered_opt_in_and_sm90_only(load):
     for capability, expected in (((9, 0), True), ((10, 0), False), ((8, 9), False), (None, False)):
         module = load(FakeDeepGemm(), capability=capability)
         assert module.deepgemm_available("cuda:0") is expected, capability
+
+
+def test_automatic_order_is_the_gpu_proven_backends(load):
+    # As on an H200 with every library present: the shipped priorities and opt-in flags decide.
+    load(FakeDeepGemm())
+    for name, backend in list(gemm._backends.items()):  # the fixture's throwaway copy
+        gemm._backends[name] = dataclasses.replace(backend, is_available=True)
+    reset_kernel_caches()
+    assert gemm.available_gemm_backends("cuda") == ["deepgemm", "scaled_mm", "triton", "emulated"]
+    assert gemm.auto_gemm_backends("cuda") == ["scaled_mm", "triton", "emulated"]
 
 
 def test_real_capability_query_rejects_cpu(load):
