@@ -22,6 +22,7 @@ __all__ = [
     "PRECISIONS",
     "REMASKINGS",
     "ROLLOUT_BACKENDS",
+    "UNRELEASED_ROLLOUT_BACKENDS",
     "SCALE_FORMATS",
     "check_choice",
 ]
@@ -34,6 +35,7 @@ NVFP4_OUTERS: tuple[str, ...] = ("token", "tensor")  # NVFP4 outer scale: per ro
 REMASKINGS: tuple[str, ...] = ("low_confidence", "random")  # LLaDA sampler
 # JetGRPOConfig.rollout_backend; "engine" and "vllm" are announced, not built yet.
 ROLLOUT_BACKENDS: tuple[str, ...] = ("auto", "hf", "continuous", "engine", "vllm", "diffusion")
+UNRELEASED_ROLLOUT_BACKENDS: tuple[str, ...] = ("engine", "vllm")  # refused until they ship
 GRANULARITIES: tuple[str, ...] = ("block", "group")  # GEMM B scales: 128x128 blocks, or 1x128 groups
 # Inputs the quantizers accept and outputs the GEMMs write.
 FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)

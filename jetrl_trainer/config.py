@@ -26,6 +26,7 @@ from jetrl_trainer._choices import (
     REMASKINGS as _REMASKINGS,
     ROLLOUT_BACKENDS,
     SCALE_FORMATS as _SCALE_FORMATS,
+    UNRELEASED_ROLLOUT_BACKENDS,
     check_choice,
 )
 
@@ -41,8 +42,6 @@ else:
     _CorrectorLike = str
 
 # Which config field feeds which parameter of which built-in corrector (get_corrector keywords).
-_NOT_YET_BACKENDS = ("engine", "vllm")  # announced in ROLLOUT_BACKENDS; refused until they ship
-
 _FIELD_TO_PARAM = {
     "corrector_clip": "clip",
     "corrector_low": "low",
@@ -374,7 +373,7 @@ class JetGRPOConfig(GRPOConfig):
 
     def _check_rollout_backend(self) -> None:
         self.rollout_backend = _check_choice("rollout_backend", self.rollout_backend, ROLLOUT_BACKENDS)
-        if self.rollout_backend in _NOT_YET_BACKENDS:
+        if self.rollout_backend in UNRELEASED_ROLLOUT_BACKENDS:
             raise ValueError(
                 f"rollout_backend={self.rollout_backend!r} is not available in this release of jetrl-trainer. Use "
                 "'auto' (default), 'hf', 'continuous' or, for LLaDA, 'diffusion'."

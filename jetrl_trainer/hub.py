@@ -16,27 +16,13 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
 from typing import Any
 
-from torch import Tensor, nn
 
 __all__ = ["JETRL_TAG", "jetrl_card_metadata", "jetrl_card_section", "update_model_card"]
 
 JETRL_TAG = "jetrl"
 _BEGIN, _END = "<!-- jetrl:begin -->", "<!-- jetrl:end -->"
-
-
-def master_state_dict(
-    model: nn.Module, state_dict: Mapping[str, Tensor] | None = None
-) -> Mapping[str, Tensor] | None:
-    """Deprecated identity, to be removed: returns ``state_dict`` unchanged (``None`` stays ``None``).
-
-    A quantized model's state dict already holds only the master weights (module docstring), so
-    there is nothing to filter; ``JetGRPOTrainer._save`` still calls this until it passes its
-    ``state_dict`` straight to ``super()._save``.
-    """
-    return state_dict
 
 
 def jetrl_card_metadata(args: Any) -> dict[str, Any]:

@@ -54,7 +54,7 @@ from jetrl_trainer.config import JetGRPOConfig
 from jetrl_trainer.correctors import get_corrector, merge_sums, metrics_from_sums
 from jetrl_trainer.diffusion import is_diffusion_model
 from jetrl_trainer.diffusion.lora import check_lora_targets, resolve_lora_preset
-from jetrl_trainer.hub import master_state_dict, update_model_card
+from jetrl_trainer.hub import update_model_card
 from jetrl_trainer.quant import precision_phase, quantize_model
 from jetrl_trainer.rollout import Rollout
 
@@ -286,7 +286,7 @@ class JetGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------ saving
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        super()._save(output_dir, state_dict=master_state_dict(self.model, state_dict))
+        super()._save(output_dir, state_dict=state_dict)  # QuantLinear shares Parameters: master weights only
         if self.args.should_save:
             update_model_card(os.path.join(output_dir or self.args.output_dir, "README.md"), self.args)
 

@@ -18,7 +18,7 @@ from torch import nn
 from jetrl_trainer.rollout.base import Rollout, RolloutBackend
 from jetrl_trainer.rollout.hf_generate import left_pad, truncate_after_eos
 
-from .sampler import REMASKING, generate
+from .sampler import generate
 
 __all__ = ["DiffusionBackend", "DiffusionSampling"]
 
@@ -34,7 +34,7 @@ class DiffusionSampling:
     gen_length: int
     block_length: int
     temperature: float
-    remasking: str = "low_confidence"
+    remasking: str = "low_confidence"  # validated by JetGRPOConfig (and by the sampler)
 
     @classmethod
     def from_args(cls, args: Any) -> DiffusionSampling:
@@ -58,8 +58,6 @@ class DiffusionSampling:
                 f"temperature must be > 0 for GRPO on a diffusion LM (the log-probs divide the logits by it); got "
                 f"{args.temperature}. Use e.g. 0.1 for near-greedy sampling."
             )
-        if args.diffusion_remasking not in REMASKING:
-            raise ValueError(f"diffusion_remasking must be one of {REMASKING}; got {args.diffusion_remasking!r}.")
         return cls(steps, gen_length, block, float(args.temperature), args.diffusion_remasking)
 
 
