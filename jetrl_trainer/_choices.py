@@ -33,9 +33,9 @@ SCALE_FORMATS: tuple[str, ...] = ("fp32", "ue8m0")  # FP8 scales: any FP32, or p
 NVFP4_BACKWARDS: tuple[str, ...] = ("dequantized", "high_precision")
 NVFP4_OUTERS: tuple[str, ...] = ("token", "tensor")  # NVFP4 outer scale: per row, or one per tensor
 REMASKINGS: tuple[str, ...] = ("low_confidence", "random")  # LLaDA sampler
-# JetGRPOConfig.rollout_backend; "engine" and "vllm" are announced, not built yet.
+# JetGRPOConfig.rollout_backend; "vllm" is announced, not built yet.
 ROLLOUT_BACKENDS: tuple[str, ...] = ("auto", "hf", "continuous", "engine", "vllm", "diffusion")
-UNRELEASED_ROLLOUT_BACKENDS: tuple[str, ...] = ("engine", "vllm")  # refused until they ship
+UNRELEASED_ROLLOUT_BACKENDS: tuple[str, ...] = ("vllm",)  # refused until it ships
 GRANULARITIES: tuple[str, ...] = ("block", "group")  # GEMM B scales: 128x128 blocks, or 1x128 groups
 # Inputs the quantizers accept and outputs the GEMMs write.
 FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)

@@ -29,11 +29,13 @@ def resolve_rollout_backend(requested: str, *, diffusion: bool, continuous_batch
         raise ValueError(f"rollout_backend={requested!r} cannot sample a diffusion LM (LLaDA); use 'auto' or 'diffusion'.")
     if requested == "diffusion":
         raise ValueError("rollout_backend='diffusion' needs a masked-diffusion LM (LLaDA); use 'auto' or 'hf'.")
+    if requested == "engine":
+        return "engine", "requested (falls back to 'hf' for what it does not support, logged)"
     if requested == "continuous" or (requested == "auto" and continuous_batching):
         return "continuous", "use_transformers_continuous_batching=True"
     if requested == "hf":
         return "hf", "requested"
-    return "hf", "transformers generate, the reference backend (the fast engine is not in this release)"
+    return "hf", "transformers generate, the reference backend (the engine is opt-in until its GPU path ships)"
 
 
 def build_rollout_backend(trainer: Any, *, diffusion: bool) -> tuple[RolloutBackend, Any]:
@@ -59,6 +61,13 @@ def build_rollout_backend(trainer: Any, *, diffusion: bool) -> tuple[RolloutBack
         pad_token_id=tokenizer.pad_token_id, eos_token_ids=trainer.eos_token_ids,
         pad_to_multiple_of=trainer.pad_to_multiple_of, device=device,
     )  # fmt: skip
+    if name == "engine":
+        from jetrl_trainer.rollout.engine import EngineBackend
+
+        backend = EngineBackend(
+            eos_token_ids=trainer.eos_token_ids, pad_token_id=tokenizer.pad_token_id, fallback=backend,
+            kv_cache_tokens=args.rollout_kv_cache_tokens,
+        )  # fmt: skip
     return backend, trainer.generation_config
 
 

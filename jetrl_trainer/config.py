@@ -116,9 +116,15 @@ class JetGRPOConfig(GRPOConfig):
         rollout_backend (`str`, *optional*, defaults to `"auto"`):
             What generates the rollouts: `"auto"` (the best available backend for the model and device,
             logged once), `"hf"` (transformers `generate`), `"continuous"` (transformers continuous
-            batching; the same as `use_transformers_continuous_batching=True`) or `"diffusion"` (the
-            LLaDA sampler; what `"auto"` picks for LLaDA models). `"engine"` and `"vllm"` are reserved
-            for backends that are not in this release and are refused.
+            batching; the same as `use_transformers_continuous_batching=True`), `"engine"` (our decode
+            engine, on the policy's own modules, for Llama/Qwen2/Qwen3; falls back to `"hf"` for
+            anything else, with the reason logged once) or `"diffusion"` (the LLaDA sampler; what
+            `"auto"` picks for LLaDA models). `"vllm"` is reserved for a backend that is not in this
+            release and is refused.
+        rollout_kv_cache_tokens (`int`, *optional*):
+            `rollout_backend="engine"` only: KV-cache budget in tokens. At most this // (longest prompt
+            + `max_completion_length`) sequences decode at once; the others wait for the slot of a
+            finished one. The cache is freed after each rollout. `None` = every sequence at once.
         diffusion_steps (`int`, *optional*):
             Diffusion LMs (LLaDA) only: denoising steps per completion, a multiple of the number of
             blocks. `None` = `max_completion_length // 2` (two tokens per step, as d1).
@@ -242,9 +248,18 @@ class JetGRPOConfig(GRPOConfig):
         metadata={
             "help": "What generates the rollouts: 'auto' (the best available for the model and device; the choice "
             "is logged once), 'hf' (transformers generate), 'continuous' (transformers continuous batching, same as "
-            "use_transformers_continuous_batching=True), 'diffusion' (the LLaDA sampler; auto picks it for LLaDA "
-            "models). 'engine' and 'vllm' are reserved for backends not in this release.",
+            "use_transformers_continuous_batching=True), 'engine' (our decode engine on the policy's own modules, "
+            "Llama/Qwen2/Qwen3; falls back to 'hf' elsewhere, logged), 'diffusion' (the LLaDA sampler; auto picks it "
+            "for LLaDA models). 'vllm' is reserved for a backend not in this release.",
             "choices": list(ROLLOUT_BACKENDS),
+        },
+    )
+    rollout_kv_cache_tokens: int | None = field(
+        default=None,
+        metadata={
+            "help": "rollout_backend='engine' only: KV-cache budget in tokens. At most this // (longest prompt + "
+            "max_completion_length) sequences decode at once; the others wait for a finished one's slot. The cache "
+            "is freed after each rollout. None = every sequence of the generation batch at once."
         },
     )
     diffusion_steps: int | None = field(
@@ -376,8 +391,11 @@ class JetGRPOConfig(GRPOConfig):
         if self.rollout_backend in UNRELEASED_ROLLOUT_BACKENDS:
             raise ValueError(
                 f"rollout_backend={self.rollout_backend!r} is not available in this release of jetrl-trainer. Use "
-                "'auto' (default), 'hf', 'continuous' or, for LLaDA, 'diffusion'."
+                "'auto' (default), 'hf', 'continuous', 'engine' or, for LLaDA, 'diffusion'."
             )
+        tokens = self.rollout_kv_cache_tokens
+        if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1):
+            raise ValueError(f"rollout_kv_cache_tokens must be a positive integer, or None for no bound; got {tokens!r}.")
         if self.rollout_backend == "continuous":
             self.use_transformers_continuous_batching = True  # TRL builds the engine config from this flag
         elif self.use_transformers_continuous_batching and self.rollout_backend != "auto":

@@ -34,6 +34,7 @@ __all__ = [
     "END_OF_TURN",
     "build_tiny_llada",
     "build_tiny_llama",
+    "build_tiny_qwen2",
     "build_tiny_qwen3",
     "build_tiny_tokenizer",
     "evaluate_reward",
@@ -160,6 +161,13 @@ def build_tiny_llama(tokenizer=None, **overrides: Any):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     return _build(LlamaForCausalLM, LlamaConfig, tokenizer, dict(overrides))
+
+
+def build_tiny_qwen2(tokenizer=None, **overrides: Any):
+    """A tiny `Qwen2ForCausalLM` (q/k/v biases, GQA); ``overrides`` are `Qwen2Config` fields plus ``seed`` and ``dtype``."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    return _build(Qwen2ForCausalLM, Qwen2Config, tokenizer, dict(overrides))
 
 
 def build_tiny_llada(tokenizer=None, **overrides: Any):

@@ -152,7 +152,7 @@ class JetGRPOTrainer(GRPOTrainer):
                 self.model_wrapped,
                 self.accelerator,
                 gather_deepspeed3_params=self.args.ds3_gather_for_generation,
-                generation_kwargs=self.generation_kwargs if backend.name == "hf" else None,
+                generation_kwargs=self.generation_kwargs if backend.name in ("hf", "engine") else None,
                 gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
             ) as unwrapped_model,
             torch.no_grad(),

@@ -33,6 +33,7 @@ TOL = 1e-4
         ("auto", False, False, "hf"),
         ("auto", False, True, "continuous"),
         ("hf", False, False, "hf"),
+        ("engine", False, False, "engine"),
         ("continuous", False, True, "continuous"),
         ("auto", True, False, "diffusion"),
         ("diffusion", True, False, "diffusion"),
@@ -48,6 +49,7 @@ def test_auto_and_explicit_choices(requested, diffusion, cb, expected):
     [
         ("diffusion", False, False, "needs a masked-diffusion LM"),
         ("hf", True, False, "cannot sample a diffusion LM"),
+        ("engine", True, False, "cannot sample a diffusion LM"),
         ("continuous", True, True, "autoregressive models only"),
         ("auto", True, True, "autoregressive models only"),
     ],
@@ -64,9 +66,12 @@ def test_config_field_validates_once(tmp_path):
     assert make_args(tmp_path, rollout_backend="continuous").use_transformers_continuous_batching
     with pytest.raises(ValueError, match="rollout_backend must be one of"):
         make_args(tmp_path, rollout_backend="sglang")
-    for reserved in ("engine", "vllm"):
-        with pytest.raises(ValueError, match=f"rollout_backend='{reserved}' is not available in this release"):
-            make_args(tmp_path, rollout_backend=reserved)
+    with pytest.raises(ValueError, match="rollout_backend='vllm' is not available in this release"):
+        make_args(tmp_path, rollout_backend="vllm")
+    assert make_args(tmp_path, rollout_backend="engine", rollout_kv_cache_tokens=64).rollout_kv_cache_tokens == 64
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="rollout_kv_cache_tokens must be a positive integer"):
+            make_args(tmp_path, rollout_backend="engine", rollout_kv_cache_tokens=bad)
     with pytest.raises(ValueError, match="contradicts rollout_backend='hf'"):
         make_args(tmp_path, rollout_backend="hf", use_transformers_continuous_batching=True)
 
@@ -75,8 +80,8 @@ def test_trainer_logs_its_choice_once(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="jetrl_trainer"):
         trainer = make_trainer(tmp_path)
     choices = [r.getMessage() for r in caplog.records if "rollout backend" in r.getMessage()]
-    assert choices == ["jetrl: rollout backend 'hf' (transformers generate, the reference backend (the fast engine "
-                       "is not in this release))"]  # fmt: skip
+    assert choices == ["jetrl: rollout backend 'hf' (transformers generate, the reference backend (the engine is "
+                       "opt-in until its GPU path ships))"]  # fmt: skip
     assert isinstance(trainer.rollout_backend, HFGenerateBackend)
     cb = make_trainer(tmp_path, rollout_backend="continuous")
     assert isinstance(cb.rollout_backend, ContinuousBatchingBackend)

@@ -34,6 +34,10 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from jetrl_trainer._hashing import M32 as _M32
+from jetrl_trainer._hashing import mix32 as _mix32
+from jetrl_trainer._hashing import mix_ints as _mix_int
+
 __all__ = [
     "LikelihoodEstimator",
     "register_estimator",
@@ -100,37 +104,6 @@ def available_estimators() -> list[str]:
 
 
 # -- mask seeds ---------------------------------------------------------------------------------
-
-_M32 = 0xFFFFFFFF
-
-
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit avalanche hash (lowbias32) on int64 tensors holding values in [0, 2**32).
-
-    Products are split into 16-bit halves so no int64 ever overflows: results are exact and
-    identical on every device.
-    """
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
-
-
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    lo = (x * (c & 0xFFFF)) & _M32
-    hi = ((x * (c >> 16)) & 0xFFFF) << 16
-    return (lo + hi) & _M32
-
-
-def _mix_int(*values: int) -> int:
-    """Chain-hash Python ints (any sign or size up to 64 bits) into one 32-bit value."""
-    h = torch.zeros((), dtype=torch.int64)
-    for v in values:
-        h = _mix32(h ^ (int(v) & _M32))
-        h = _mix32(h ^ ((int(v) >> 32) & _M32))
-    return int(h)
-
 
 def _hash_seeds(mask_seed: int | torch.Tensor, batch_size: int, device: torch.device) -> torch.Tensor:
     """``(B,)`` hashed seeds from one seed or one per row; equals ``_mix_int(seed)`` element-wise."""

@@ -1,0 +1,22 @@
+"""The decode engine (``rollout_backend="engine"``): fast rollouts on the policy's own modules.
+
+* `DecodeEngine` — prefill once per distinct prompt, slot-based decode, sampling with per-row
+  counter-based noise, log-probs under the distribution sampled from.
+* `EngineBackend` — the rollout backend around it; falls back to ``hf`` (logged once) for a model
+  or a generation option the engine does not support.
+"""
+
+from .architecture import SUPPORTED_MODEL_TYPES, DecoderView, unsupported_model_reason
+from .backend import EngineBackend
+from .engine import DecodeEngine
+from .sampling import TokenSampler, unsupported_generation_reason
+
+__all__ = [
+    "SUPPORTED_MODEL_TYPES",
+    "DecodeEngine",
+    "DecoderView",
+    "EngineBackend",
+    "TokenSampler",
+    "unsupported_generation_reason",
+    "unsupported_model_reason",
+]

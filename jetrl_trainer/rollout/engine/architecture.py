@@ -1,0 +1,112 @@
+"""The decoder the engine runs: an HF Llama-family model's own modules, read in place (no copy).
+
+The engine never copies a weight. It calls the policy's modules one by one: the norms, the q/k/v/o
+and MLP projections (a `QuantLinear` runs the active phase's recipe with the FP8 weight cache the
+training forward uses; a peft LoRA layer adds its BF16 adapters on top), HF's rotary embedding
+(so every ``rope_scaling`` HF implements, llama3 included, is HF's), and the LM head. Only the
+attention and the KV cache are the engine's own (`attention.py`, `kv_cache.py`): that is where a
+batched decode differs from a training forward, and the only place the FP32 summation order may.
+
+Supported: ``model_type`` llama (Llama 2/3.x), qwen2 (q/k/v biases) and qwen3 (q/k norms), full
+attention only. Anything else is refused with the reason, and the backend falls back to ``hf``.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["SUPPORTED_MODEL_TYPES", "DecoderView", "unsupported_model_reason"]
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+
+# attend(layer_index, q, k, v) -> attention output; q (B, H, T, D), k / v (B, H_kv, T, D) after RoPE.
+Attend = Callable[[int, Tensor, Tensor, Tensor], Tensor]
+
+
+def _base_model(model: nn.Module) -> nn.Module:
+    """The transformers model under peft / accelerate wrappers."""
+    model = getattr(model, "module", model)  # DDP
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def unsupported_model_reason(model: nn.Module) -> str | None:
+    """Why the engine cannot run ``model``, or None when it can."""
+    base = _base_model(model)
+    config = getattr(base, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        return f"model_type {model_type!r} is not one of {SUPPORTED_MODEL_TYPES}"
+    if getattr(config, "use_sliding_window", False) or any(
+        t != "full_attention" for t in (getattr(config, "layer_types", None) or ())
+    ):
+        return "sliding-window attention is not supported"
+    inner = getattr(base, "model", None)
+    if not all(hasattr(inner, name) for name in ("embed_tokens", "layers", "norm", "rotary_emb")):
+        return f"{type(base).__name__} does not have the Llama module layout (model.embed_tokens/layers/norm/rotary_emb)"
+    if not hasattr(base, "lm_head"):
+        return f"{type(base).__name__} has no lm_head"
+    return None
+
+
+@dataclass
+class DecoderView:
+    """The pieces of one model the engine calls, and the shapes it needs to size its cache."""
+
+    embed: nn.Module
+    layers: list[nn.Module]
+    norm: nn.Module
+    rotary: nn.Module
+    lm_head: nn.Module
+    apply_rope: Callable
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scaling: float
+    dtype: torch.dtype
+    device: torch.device
+
+    @classmethod
+    def from_model(cls, model: nn.Module) -> DecoderView:
+        reason = unsupported_model_reason(model)
+        if reason is not None:
+            raise ValueError(f"the decode engine cannot run this model: {reason}.")
+        base = _base_model(model)
+        inner, config = base.model, base.config
+        attn = inner.layers[0].self_attn
+        embed = inner.embed_tokens
+        return cls(
+            embed=embed, layers=list(inner.layers), norm=inner.norm, rotary=inner.rotary_emb, lm_head=base.lm_head,
+            apply_rope=sys.modules[type(attn).__module__].apply_rotary_pos_emb,
+            num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads, head_dim=attn.head_dim,
+            scaling=attn.scaling, dtype=embed.weight.dtype, device=embed.weight.device,
+        )  # fmt: skip
+
+    def hidden_states(self, input_ids: Tensor, position_ids: Tensor, attend: Attend) -> Tensor:
+        """The final-norm hidden states ``(B, T, hidden)``; the layers in HF's order of module calls."""
+        h = self.embed(input_ids)
+        cos, sin = self.rotary(h, position_ids)
+        B, T = input_ids.shape
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = attn.q_proj(x).view(B, T, -1, self.head_dim)
+            if hasattr(attn, "q_norm"):  # Qwen3
+                q = attn.q_norm(q)
+            k = attn.k_proj(x).view(B, T, -1, self.head_dim)
+            if hasattr(attn, "k_norm"):
+                k = attn.k_norm(k)
+            v = attn.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+            q, k = self.apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+            out = attend(i, q, k, v).transpose(1, 2).reshape(B, T, -1)  # (B, T, H * D)
+            h = h + attn.o_proj(out)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.norm(h)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """FP32 logits of ``hidden`` ``(..., hidden)`` (the LM head is never quantized)."""
+        return self.lm_head(hidden).float()

@@ -1,0 +1,66 @@
+"""``rollout_backend="engine"``: the decode engine as a rollout backend, with a logged fallback."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from transformers import GenerationConfig
+
+from ..base import Rollout, RolloutBackend
+from ..hf_generate import HFGenerateBackend
+from .architecture import unsupported_model_reason
+from .engine import DecodeEngine
+from .sampling import unsupported_generation_reason
+
+__all__ = ["EngineBackend"]
+
+logger = logging.getLogger("jetrl_trainer")
+
+
+class EngineBackend(RolloutBackend):
+    """The engine where it applies; ``fallback`` (the ``hf`` backend) elsewhere, said once per reason.
+
+    ``kv_cache_tokens`` bounds the KV cache: at most ``kv_cache_tokens // (longest prompt +
+    max_new_tokens)`` sequences decode at once (the rest wait for a slot); ``None`` = all of them.
+    Each call draws its sampling seed from torch's global RNG, so ``set_seed`` reproduces rollouts.
+    """
+
+    name = "engine"
+
+    def __init__(
+        self, *, eos_token_ids: Sequence[int], pad_token_id: int, fallback: HFGenerateBackend,
+        kv_cache_tokens: int | None = None,
+    ) -> None:  # fmt: skip
+        self.eos_token_ids = list(eos_token_ids)
+        self.pad_token_id = pad_token_id
+        self.fallback = fallback
+        self.kv_cache_tokens = kv_cache_tokens
+        self._reasons: set[str] = set()
+
+    def generate(self, model: nn.Module, prompt_ids: Sequence[Sequence[int]], sampling: GenerationConfig) -> Rollout:
+        reason = unsupported_model_reason(model) or unsupported_generation_reason(sampling)
+        if reason is not None:
+            if reason not in self._reasons:
+                self._reasons.add(reason)
+                logger.warning("jetrl: rollout_backend='engine' falls back to 'hf': %s", reason)
+            return self.fallback.generate(model, prompt_ids, sampling)
+        engine = DecodeEngine(model, max_batch_size=self._max_batch_size(prompt_ids, sampling))
+        seed = int(torch.randint(0, 2**62, ()).item())
+        ids, logprobs = engine.generate(
+            prompt_ids, sampling, eos_token_ids=self.eos_token_ids, seed=seed, pad_token_id=self.pad_token_id
+        )
+        return Rollout(ids, logprobs)
+
+    def _max_batch_size(self, prompt_ids: Sequence[Sequence[int]], sampling: GenerationConfig) -> int | None:
+        if self.kv_cache_tokens is None:
+            return None
+        per_sequence = max(map(len, prompt_ids)) + sampling.max_new_tokens
+        if self.kv_cache_tokens < per_sequence:
+            raise ValueError(
+                f"rollout_kv_cache_tokens={self.kv_cache_tokens} cannot hold one sequence of {per_sequence} tokens "
+                "(longest prompt + max_completion_length); raise it or leave it None."
+            )
+        return self.kv_cache_tokens // per_sequence

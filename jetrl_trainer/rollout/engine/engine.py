@@ -1,0 +1,137 @@
+"""The decode engine: prefill each distinct prompt once, decode running sequences in slots.
+
+```
+prompts ─► distinct prompts, one batched prefill (the policy's own modules, rollout phase)
+        ─► per sequence: its prompt's KV copied into a free slot, first token sampled from the prefill logits
+        ─► decode_step over the running slots: one token each; attention reads only live KV
+        ─► a finished sequence (EOS or max_new_tokens) frees its slot; a waiting one takes it
+```
+
+GRPO samples ``num_generations`` completions per prompt, so prefill runs once per distinct prompt
+and its KV is shared by copy. The cache holds ``num_slots`` sequences: all of them unless
+``max_batch_size`` (from the KV token budget) is smaller, in which case the rest wait for slots.
+
+This is the plain-torch engine (CPU and any GPU): no CUDA graphs and the reference attention.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+from transformers import GenerationConfig
+
+from jetrl_trainer._hashing import M32, mix32
+
+from ..hf_generate import left_pad
+from .architecture import DecoderView
+from .attention import decode_attention, prefill_attention
+from .kv_cache import KVCache
+from .sampling import TokenSampler, unsupported_generation_reason
+
+__all__ = ["DecodeEngine"]
+
+
+@dataclass
+class _Sequence:
+    index: int  # place in the request: its RNG stream
+    prompt: int  # distinct-prompt id
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+
+class DecodeEngine:
+    """Generates completions and their sampling log-probs with a model's own modules."""
+
+    def __init__(self, model: nn.Module, *, max_batch_size: int | None = None) -> None:
+        self.view = DecoderView.from_model(model)
+        self.max_batch_size = max_batch_size
+
+    @torch.no_grad()
+    def generate(
+        self, prompt_ids: Sequence[Sequence[int]], config: GenerationConfig, *, eos_token_ids: Sequence[int],
+        seed: int, pad_token_id: int = 0,
+    ) -> tuple[list[list[int]], list[list[float]]]:  # fmt: skip
+        """One completion per prompt (stopped after its first EOS, kept) and per-token log-probs."""
+        reason = unsupported_generation_reason(config)
+        if reason is not None:
+            raise ValueError(f"the decode engine cannot honour this GenerationConfig: {reason}.")
+        distinct: dict[tuple[int, ...], int] = {}
+        seqs = [_Sequence(i, distinct.setdefault(tuple(p), len(distinct))) for i, p in enumerate(prompt_ids)]
+        prompts = list(distinct)
+        store_k, store_v, first_logits = self.prefill(prompts, pad_token_id)
+        slots = min(len(seqs), self.max_batch_size or len(seqs))
+        v = self.view
+        cache = KVCache(
+            num_layers=len(v.layers), num_slots=slots, max_len=max(map(len, prompts)) + config.max_new_tokens,
+            num_kv_heads=v.num_kv_heads, head_dim=v.head_dim, dtype=v.dtype, device=v.device,
+        )  # fmt: skip
+        sampler, eos = TokenSampler(config), set(eos_token_ids)
+        seed_hash = mix32(torch.tensor(seed & M32, dtype=torch.int64))
+        row_seed = {s.index: int(mix32(seed_hash ^ s.index)) for s in seqs}
+        pending, running, free = deque(seqs), {}, list(range(slots - 1, -1, -1))
+
+        def record(batch: list[tuple[int, _Sequence]], logits: Tensor) -> None:
+            seeds = torch.tensor([row_seed[s.index] for _, s in batch], device=logits.device)
+            steps = torch.tensor([len(s.tokens) for _, s in batch], device=logits.device)
+            tokens, logps = sampler.sample(logits, seeds, steps)
+            for (slot, s), t, lp in zip(batch, tokens.tolist(), logps.tolist()):
+                s.tokens.append(t)
+                s.logprobs.append(lp)
+                if t in eos or len(s.tokens) == config.max_new_tokens:
+                    running.pop(slot, None)
+                    free.append(slot)
+
+        while pending or running:
+            started = []
+            while free and pending:
+                slot, s = free.pop(), pending.popleft()
+                n = len(prompts[s.prompt])
+                for layer in range(len(v.layers)):
+                    cache.store_prompt(layer, slot, store_k[layer][s.prompt, :, -n:], store_v[layer][s.prompt, :, -n:])
+                cache.lengths[slot] = n
+                running[slot] = s
+                started.append((slot, s))
+            if started:  # first token from the prefill logits of each one's prompt
+                record(started, first_logits[torch.tensor([s.prompt for _, s in started], device=v.device)])
+            if running:
+                batch = sorted(running.items())
+                record(batch, self.decode_step(cache, batch))
+        return [s.tokens for s in seqs], [s.logprobs for s in seqs]
+
+    def prefill(self, prompts: list[tuple[int, ...]], pad_token_id: int) -> tuple[list[Tensor], list[Tensor], Tensor]:
+        """Keys/values per layer ``(N, H_kv, P, D)`` of the left-padded distinct prompts, and the
+        FP32 logits ``(N, V)`` at each prompt's last token."""
+        v = self.view
+        ids, mask = left_pad(prompts, pad_token_id)
+        ids, mask = ids.to(v.device), mask.to(v.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # as generate: real tokens at 0..n-1
+        keys, values = [], []
+
+        def attend(layer: int, q: Tensor, k: Tensor, val: Tensor) -> Tensor:
+            keys.append(k)
+            values.append(val)
+            return prefill_attention(q, k, val, mask.bool(), v.scaling)
+
+        hidden = v.hidden_states(ids, positions, attend)
+        return keys, values, v.logits(hidden[:, -1])
+
+    def decode_step(self, cache: KVCache, batch: list[tuple[int, _Sequence]]) -> Tensor:
+        """Feed each running row its last token; FP32 logits ``(B, V)`` for the next one."""
+        v = self.view
+        slots = torch.tensor([slot for slot, _ in batch], device=v.device)
+        tokens = torch.tensor([[s.tokens[-1]] for _, s in batch], device=v.device)
+        positions = cache.lengths[slots][:, None]
+
+        def attend(layer: int, q: Tensor, k: Tensor, val: Tensor) -> Tensor:
+            cache.append(layer, slots, k[:, :, 0], val[:, :, 0])
+            out = decode_attention(q[:, :, 0], cache.k[layer, slots], cache.v[layer, slots], cache.lengths[slots] + 1,
+                                   v.scaling)  # fmt: skip
+            return out[:, :, None]
+
+        hidden = v.hidden_states(tokens, positions, attend)
+        cache.lengths[slots] += 1
+        return v.logits(hidden[:, -1])

@@ -1,0 +1,191 @@
+"""The decode engine (rollout_backend="engine"), plain-torch path: what it generates and records.
+
+* Greedy tokens equal HF ``generate``'s token for token on tiny Llama, Qwen2 and Qwen3 models, with
+  left-padded prompts of different lengths, an EOS reached inside the batch, FP8 rollouts and LoRA.
+* Sampled tokens' log-probs equal the teacher-forced log-probs of the warped distribution (the
+  recorder's semantics, tests/test_rollout.py's tolerance).
+* A row's tokens depend on its seed and place in the request only: the same with 1 slot as with
+  all at once (slot refill), and a distinct prompt is prefilled once for all its generations.
+* Unsupported models or generation options fall back to ``hf``, said once per reason.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from _trainer_utils import make_trainer, tokenizer, train
+from transformers import GenerationConfig
+
+from jetrl_trainer.quant import precision_phase, quantize_model
+from jetrl_trainer.rollout import HFGenerateBackend, left_pad, processed_logprobs, truncate_after_eos
+from jetrl_trainer.rollout.engine import DecodeEngine, EngineBackend, unsupported_model_reason
+from jetrl_trainer.tiny import build_tiny_llada, build_tiny_llama, build_tiny_qwen2, build_tiny_qwen3
+
+TOL = 1e-4
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14], [5, 6, 7, 8, 9], [10, 11]]
+BUILDERS = {"llama": build_tiny_llama, "qwen2": build_tiny_qwen2, "qwen3": build_tiny_qwen3}
+WARP = dict(temperature=0.7, top_k=12, top_p=0.9)
+
+
+def _config(max_new_tokens=10, **overrides) -> GenerationConfig:
+    tok = tokenizer()
+    base = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
+    return GenerationConfig(**{**base, **overrides})
+
+
+def _hf_greedy(model, prompts, config, eos):
+    ids, mask = left_pad(prompts, tokenizer().pad_token_id)
+    config = GenerationConfig(**{**config.to_dict(), "eos_token_id": eos})  # else generate takes the model's
+    out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+    completions, _ = truncate_after_eos(out[:, ids.shape[1] :], torch.zeros(out.shape), eos)
+    return completions
+
+
+def _engine(model, prompts, config, eos, seed=0, **kw):
+    return DecodeEngine(model, **kw).generate(prompts, config, eos_token_ids=eos, seed=seed,
+                                              pad_token_id=tokenizer().pad_token_id)  # fmt: skip
+
+
+def _eos_inside_the_batch(model, config) -> int:
+    """A token greedy decoding emits mid-way in some rows: as EOS it stops those rows early."""
+    free = _hf_greedy(model, PROMPTS, config, eos=[-1])
+    counts = {}
+    for row in free:
+        for t in set(row[2:-2]):
+            counts[t] = counts.get(t, 0) + 1
+    return min(counts, key=lambda t: (abs(counts[t] - len(free) / 2), t))
+
+
+@pytest.mark.parametrize("arch", list(BUILDERS))
+@pytest.mark.parametrize("variant", ["bf16", "fp8", "lora"])
+def test_greedy_tokens_equal_hf_generate(arch, variant):
+    model = BUILDERS[arch](tokenizer()).eval()
+    if variant == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
+        model = get_peft_model(model, lora).eval()  # random B: the adapters change the outputs
+    if variant != "bf16":
+        quantize_model(model, train="bf16", rollout="fp8")
+    config = _config()
+    with precision_phase("rollout"):
+        eos = [_eos_inside_the_batch(model, config)]
+        expected = _hf_greedy(model, PROMPTS, config, eos)
+        tokens, logprobs = _engine(model, PROMPTS, config, eos)
+    assert tokens == expected
+    lengths = [len(t) for t in tokens]
+    assert min(lengths) < config.max_new_tokens == max(lengths), "EOS must stop some rows and not others"
+    assert [len(lp) for lp in logprobs] == lengths
+
+
+def _teacher_forced(model, prompts, completions, **warp):
+    prompt_ids, prompt_mask = left_pad(prompts, tokenizer().pad_token_id)
+    width = max(len(c) for c in completions)
+    comp = torch.full((len(completions), width), tokenizer().pad_token_id)
+    comp_mask = torch.zeros_like(comp)
+    for row, c in enumerate(completions):
+        comp[row, : len(c)], comp_mask[row, : len(c)] = torch.tensor(c), 1
+    ids, mask = torch.cat([prompt_ids, comp], 1), torch.cat([prompt_mask, comp_mask], 1)
+    logits = model(input_ids=ids, attention_mask=mask).logits[:, prompt_ids.shape[1] - 1 : -1]
+    return processed_logprobs(logits.float(), comp, **warp)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_sampled_logprobs_are_those_of_the_warped_distribution(precision):
+    model = build_tiny_qwen3(tokenizer()).eval()
+    quantize_model(model, train="bf16", rollout=precision)
+    config = _config(do_sample=True, **WARP)
+    with precision_phase("rollout"):
+        tokens, logprobs = _engine(model, PROMPTS, config, eos=[tokenizer().eos_token_id], seed=3)
+        expected = _teacher_forced(model, PROMPTS, tokens, **WARP)
+    for row, lps in enumerate(logprobs):
+        assert torch.allclose(torch.tensor(lps), expected[row, : len(lps)], atol=TOL, rtol=0), row
+    # ...and the comparison can fail: without the truncation warpers the log-probs move well past TOL.
+    plain = _teacher_forced(model, PROMPTS, tokens, temperature=0.7)
+    assert max((plain[r, : len(lp)] - torch.tensor(lp)).abs().max() for r, lp in enumerate(logprobs)) > 10 * TOL
+    assert len({tuple(t) for t in tokens}) > 2, "sampling: repeated prompts still get their own completions"
+
+
+def test_a_seed_reproduces_each_row_whatever_the_slots():
+    model = build_tiny_llama(tokenizer()).eval()
+    config = _config(do_sample=True, temperature=1.0)
+    eos = [tokenizer().eos_token_id]
+    full = _engine(model, PROMPTS, config, eos, seed=11)
+    assert _engine(model, PROMPTS, config, eos, seed=11) == full
+    for slots in (1, 2):  # sequences wait for a free slot and are refilled into it
+        tokens, logprobs = _engine(model, PROMPTS, config, eos, seed=11, max_batch_size=slots)
+        assert tokens == full[0]
+        for got, want in zip(logprobs, full[1]):  # FP32 GEMMs sum in an order BLAS picks by batch shape
+            assert torch.allclose(torch.tensor(got), torch.tensor(want), atol=1e-5, rtol=0)
+    assert _engine(model, PROMPTS, config, eos, seed=12)[0] != full[0]
+
+
+def test_each_distinct_prompt_is_prefilled_once(monkeypatch):
+    rows = []
+    original = DecodeEngine.prefill
+
+    def spy(self, prompts, pad_token_id):
+        rows.append(len(prompts))
+        return original(self, prompts, pad_token_id)
+
+    monkeypatch.setattr(DecodeEngine, "prefill", spy)
+    model = build_tiny_qwen3(tokenizer()).eval()
+    prompts = [p for p in ([1, 2, 3], [4, 5]) for _ in range(4)]  # 2 prompts x 4 generations, as GRPO
+    _engine(model, prompts, _config(do_sample=True), [tokenizer().eos_token_id], max_batch_size=3)
+    assert rows == [2]
+
+
+def _backend():
+    tok = tokenizer()
+    hf = HFGenerateBackend(pad_token_id=tok.pad_token_id, eos_token_ids=[tok.eos_token_id])
+    return EngineBackend(eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id, fallback=hf)
+
+
+def test_unsupported_models_and_options_fall_back_once(caplog):
+    backend = _backend()
+    llada = build_tiny_llada(tokenizer())
+    assert "model_type 'llada'" in unsupported_model_reason(llada)
+    qwen = build_tiny_qwen3(tokenizer()).eval()
+    with caplog.at_level(logging.WARNING, logger="jetrl_trainer"):
+        for _ in range(2):
+            rollout = backend.generate(qwen, PROMPTS, _config(do_sample=True, repetition_penalty=1.3))
+    warnings = [r.getMessage() for r in caplog.records]
+    assert warnings == ["jetrl: rollout_backend='engine' falls back to 'hf': generation option "
+                        "repetition_penalty=1.3 is not implemented by the engine"]  # fmt: skip
+    assert rollout.logprobs is not None and len(rollout.completion_ids) == len(PROMPTS)  # hf recorded them
+
+
+def test_kv_budget_smaller_than_one_sequence_is_refused():
+    backend = _backend()
+    backend.kv_cache_tokens = 8
+    with pytest.raises(ValueError, match="rollout_kv_cache_tokens=8 cannot hold one sequence of 15 tokens"):
+        backend.generate(build_tiny_qwen3(tokenizer()).eval(), PROMPTS, _config(do_sample=True))
+
+
+@pytest.mark.parametrize("strategy", [("fp8", "fp8", "none"), ("bf16", "fp8", "ais")], ids=["unified", "baseline"])
+def test_trainer_trains_with_the_engine(tmp_path, strategy):
+    tp, rp, corrector = strategy
+    trainer = make_trainer(tmp_path, train_precision=tp, rollout_precision=rp, corrector=corrector,
+                           rollout_backend="engine", rollout_kv_cache_tokens=64)  # fmt: skip
+    assert isinstance(trainer.rollout_backend, EngineBackend)
+    logs, counts = train(trainer)
+    assert logs["mismatch/nonfinite_tokens"] == 0 and logs["jetrl/skipped_steps"] == 0
+    assert counts[("rollout", rp)] > 0
+    if tp == rp:
+        assert logs["mismatch/logp_abs_diff_max"] < 1e-5  # same modules: only the attention order differs
+    else:
+        assert logs["mismatch/logp_abs_diff_mean"] > 1e-3
+
+
+def test_unified_mismatch_is_no_larger_than_with_hf(tmp_path):
+    """fp8/fp8: the engine's recorded log-probs sit as close to the training forward as generate's."""
+    means = {}
+    for backend in ("hf", "engine"):
+        trainer = make_trainer(tmp_path / backend, train_precision="fp8", rollout_precision="fp8", max_steps=2,
+                               rollout_backend=backend)  # fmt: skip
+        train(trainer)
+        steps = [log for log in trainer.state.log_history if "mismatch/logp_abs_diff_mean" in log]
+        means[backend] = sum(s["mismatch/logp_abs_diff_mean"] for s in steps) / len(steps)
+    assert means["engine"] <= max(means["hf"], 1e-6), means
