@@ -13,6 +13,10 @@ optimizer step:
   rank before any all-reduce (``sums``: value and dtype per key), from which the test recomputes
   the figure over all ranks' tokens and each rank's local-only figure.
 
+After the last record it leaves without interpreter finalization (`exit_without_finalizing`), and
+if finalization ever starts it writes ``<out>/rank<r>.finalized.json`` with the gloo threads
+still alive then, which the test requires to be none.
+
 Usage (what the test runs; 2 processes over gloo on a CPU-only machine)::
 
     accelerate launch --config_file examples/configs/accelerate_cpu_2proc.yaml tests/dist_worker.py \\
@@ -22,12 +26,14 @@ Usage (what the test runs; 2 processes over gloo on a CPU-only machine)::
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import hashlib
 import json
 import os
+import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from datasets import Dataset
@@ -182,10 +188,42 @@ def main() -> None:
     parser.add_argument("--strategy", action="append", required=True, help="train:rollout:corrector")
     parser.add_argument("--deepspeed", action="store_true", help="launched with --use_deepspeed")
     a = parser.parse_args()
+    atexit.register(record_finalization, Path(a.out) / f"rank{os.environ.get('RANK', '0')}.finalized.json")
     for strategy in a.strategy:
         run(a.model, Path(a.out) / strategy.replace(":", "-"), strategy, a.steps, a.deepspeed)
+    exit_without_finalizing()
+
+
+def gloo_threads() -> list[str]:
+    """Names of this process's live gloo threads (Linux; empty elsewhere)."""
+    names = []
+    with contextlib.suppress(OSError):
+        for task in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError):
+                names.append(Path(f"/proc/self/task/{task}/comm").read_text().strip())
+    return sorted(n for n in names if "gloo" in n)
+
+
+def record_finalization(path: Path) -> None:
+    # atexit runs just before finalization: record the threads that finalization would race.
+    path.write_text(json.dumps({"gloo_threads": gloo_threads()}))
+
+
+def exit_without_finalizing() -> NoReturn:
+    """Wait for both ranks, tear the process group down, and exit without finalizing Python.
+
+    Finalizing races gloo's worker threads: one still releasing the last collective's tensors
+    takes the GIL during finalization, glibc unwinds it out of a noexcept destructor, and the rank
+    aborts with "terminate called without an active exception" (SIGABRT). destroy_process_group
+    cannot join those threads: the engines still hold the groups (ZeRO-3 parameters'
+    ``ds_process_group``, for one). Every record is written by now; finalization has nothing to do.
+    """
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ records what each rank saw) for DDP and, when DeepSpeed is importable, ZeRO-2 an
 * the FP8 weight cache is invalidated on both ranks after each update: every `QuantLinear` quantizes
   its weight exactly once per step (the first forward after the update), and right after the
   optimizer step every cached entry is out of date.
+* no rank finalizes Python while gloo's threads are alive (the cause of a rare SIGABRT at exit).
 
 The first DeepSpeed launch on a machine JIT-builds DeepSpeed's shared-memory comm op (about 90 s on
 2 cores); later launches reuse it from the torch-extensions cache.
@@ -23,7 +24,6 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -74,44 +74,80 @@ def model_dir(tmp_path_factory) -> Path:
     return path
 
 
+class LaunchFailed(Exception):
+    """A launch that exited non-zero or timed out; the message carries both ranks' own output."""
+
+
+def _rank_logs(log_dir: Path) -> str:
+    """Each rank's own stderr and stdout (torchrun ``--tee``), tails only: which rank died, and how."""
+    parts = []
+    for path in sorted(log_dir.glob("**/attempt_*/*/std*.log")):
+        tail = path.read_text(errors="replace")[-3000 if path.name == "stderr.log" else -1000 :]
+        parts.append(f"--- rank {path.parent.name} {path.name} (tail):\n{tail}")
+    return "\n".join(parts) or f"(no rank logs under {log_dir})"
+
+
 @pytest.fixture(scope="module")
 def launched(model_dir, tmp_path_factory):
-    """``launched(name) -> {strategy: [rank0 record, rank1 record]}``; each launch runs once per module."""
-    cache: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    """``launched(name) -> {strategy: [rank0 record, rank1 record], "finalized": [...]}``; each launch
+    runs once per module. A failed launch is not run again by the next test: all its tests report the
+    same failure, so a flaky launch cannot fail once and then pass behind a relaunch."""
+    records: dict[str, dict[str, list]] = {}
+    failures: dict[str, str] = {}
 
-    def get(name: str) -> dict[str, list[dict[str, Any]]]:
-        config, strategies, steps, deepspeed = LAUNCHES[name]
-        if deepspeed and not _has_deepspeed():
+    def get(name: str) -> dict[str, list]:
+        if LAUNCHES[name][3] and not _has_deepspeed():
             pytest.skip("deepspeed is not importable (pip install deepspeed); the DDP launch still runs")
-        if name not in cache:
-            out = tmp_path_factory.mktemp(name)
-            cmd = [
-                sys.executable, "-m", "accelerate.commands.launch",
-                "--config_file", str(CONFIGS / config),
-                "--num_processes", "2", "--mixed_precision", "no", "--main_process_port", str(_free_port()),
-                str(WORKER), "--model", str(model_dir), "--out", str(out), "--steps", str(steps),
-                *(arg for s in strategies for arg in ("--strategy", s)),
-                *(["--deepspeed"] if deepspeed else []),
-            ]  # fmt: skip
-            env = {
-                **os.environ,
-                "OMP_NUM_THREADS": "1",  # two processes on a 2-core machine
-                "DS_ACCELERATOR": "cpu",
-                "TOKENIZERS_PARALLELISM": "false",
-                "HF_HUB_OFFLINE": "1",
-                "HF_DATASETS_OFFLINE": "1",
-                "CUDA_VISIBLE_DEVICES": "",  # a CPU test, also on a machine with GPUs
-            }
-            proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=480)
-            if proc.returncode != 0:
-                pytest.fail(f"{name} launch failed (rc={proc.returncode}):\n{(proc.stdout + proc.stderr)[-6000:]}")
-            cache[name] = {
-                s: [json.loads((out / s.replace(":", "-") / f"rank{r}.json").read_text()) for r in (0, 1)]
-                for s in strategies
-            }
-        return cache[name]
+        if name not in records and name not in failures:
+            try:
+                records[name] = _launch(name, model_dir, tmp_path_factory.mktemp(name))
+            except LaunchFailed as e:
+                failures[name] = str(e)
+        if name in failures:
+            pytest.fail(failures[name], pytrace=False)
+        return records[name]
 
     return get
+
+
+def _launch(name: str, model_dir: Path, out: Path) -> dict[str, list]:
+    config, strategies, steps, deepspeed = LAUNCHES[name]
+    cmd = [
+        sys.executable, "-m", "accelerate.commands.launch",
+        "--config_file", str(CONFIGS / config),
+        "--num_processes", "2", "--mixed_precision", "no", "--main_process_port", str(_free_port()),
+        "--tee", "3", "--log_dir", str(out / "logs"),  # per-rank stdout/stderr files, for the failure report
+        str(WORKER), "--model", str(model_dir), "--out", str(out), "--steps", str(steps),
+        *(arg for s in strategies for arg in ("--strategy", s)),
+        *(["--deepspeed"] if deepspeed else []),
+    ]  # fmt: skip
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",  # two processes on a 2-core machine
+        "DS_ACCELERATOR": "cpu",
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "CUDA_VISIBLE_DEVICES": "",  # a CPU test, also on a machine with GPUs
+    }
+    try:
+        proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=480)
+        status, stderr = f"rc={proc.returncode}", proc.stderr
+    except subprocess.TimeoutExpired as e:
+        err = e.stderr or ""
+        status, stderr = "timed out after 480 s", err if isinstance(err, str) else err.decode(errors="replace")
+    if status != "rc=0":
+        raise LaunchFailed(
+            f"{name} launch failed ({status}). The end of the launcher's stderr names the failed rank and its "
+            f"exit code (-6: SIGABRT).\n=== ranks\n{_rank_logs(out / 'logs')}\n"
+            f"=== launcher stderr (tail)\n{stderr[-4000:]}"
+        )
+    launch = {
+        s: [json.loads((out / s.replace(":", "-") / f"rank{r}.json").read_text()) for r in (0, 1)] for s in strategies
+    }
+    finalized = [out / f"rank{r}.finalized.json" for r in (0, 1)]  # written only if a rank finalized Python
+    launch["finalized"] = [json.loads(f.read_text()) if f.exists() else None for f in finalized]
+    return launch
 
 
 def _sums(call: dict[str, list]) -> dict[str, torch.Tensor]:
@@ -187,6 +223,18 @@ def test_fp8_weight_cache_invalidated_on_both_ranks_after_each_update(launched, 
             per_layer = {name: end[name] - begin[name] for name in end}
             assert set(per_layer.values()) == {1}, f"rank {record['rank']} step {step['step']}: {per_layer}"
             assert step["stale_after_update"], f"rank {record['rank']} step {step['step']}: cache not invalidated"
+
+
+@pytest.mark.parametrize("launch", list(LAUNCHES))
+def test_no_rank_finalizes_python_with_gloo_threads_alive(launched, launch):
+    """No rank starts interpreter finalization while gloo's worker threads live. One of them still
+    releasing a finished collective's tensors then takes the GIL, is unwound out of a noexcept
+    destructor, and the rank aborts ("terminate called without an active exception", SIGABRT).
+    That race is rare in a launch; its precondition is checked on every launch."""
+    for rank, record in enumerate(launched(launch)["finalized"]):
+        assert record is None or not record["gloo_threads"], (
+            f"rank {rank} began interpreter finalization with gloo threads alive: {record['gloo_threads']}"
+        )
 
 
 @pytest.mark.parametrize("launch", list(LAUNCHES))
