@@ -18,7 +18,8 @@ optimizer step use bit-identical quantized weights, recomputed once after the we
 cache key combines ``param._version``, ``data_ptr`` and a global generation bumped after every
 ``torch.optim`` step (fused optimizers update parameters without bumping ``_version``). Code that
 mutates ``param.data`` directly (e.g. merging LoRA weights) should call
-:func:`invalidate_weight_caches`.
+:func:`invalidate_weight_caches`. A refresh writes into the cached tensors in place (same shapes),
+so a CUDA graph captured on them (the decode engine's) replays the updated weights.
 
 Under DeepSpeed ZeRO-3 (a weight with ``ds_id``) the key is the step generation and ``ds_id`` only:
 every forward sees a freshly all-gathered ``.data`` (new storage, no ``_version`` bump) and the
@@ -200,6 +201,13 @@ def _weight_quant_key(recipe: Recipe) -> tuple:
     return ("nvfp4", recipe.four_over_six)
 
 
+def _same_layout(old: tuple[torch.Tensor, ...], new: tuple[torch.Tensor, ...]) -> bool:
+    return len(old) == len(new) and all(
+        a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and a.stride() == b.stride()
+        for a, b in zip(old, new)
+    )
+
+
 class QuantLinear(nn.Linear):
     """``nn.Linear`` with one recipe per precision phase (``.recipes = {"train": …, "rollout": …}``).
 
@@ -309,6 +317,11 @@ class QuantLinear(nn.Linear):
         # saved for backward by the next training step; no autograd graph either way.
         with torch.inference_mode(False), torch.no_grad():
             tensors = self._quantize_weight(recipe)
+            if hit is not None and _same_layout(hit[1], tensors):
+                # Refresh in place: a CUDA graph captured on these tensors replays the new weights.
+                for old, new in zip(hit[1], tensors):
+                    old.copy_(new)
+                tensors = hit[1]
         self.weight_quantizations += 1
         if state is not None:
             self._weight_cache[qkey] = (state, tensors)

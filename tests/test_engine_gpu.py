@@ -53,4 +53,75 @@ def test_sampled_logprobs_on_cuda():
         logits = model(input_ids=ids, attention_mask=mask).logits[:, prompt_ids.shape[1] - 1 : -1]
         expected = processed_logprobs(logits.float(), comp.cuda(), **warp).cpu()
     for r, lps in enumerate(logprobs):
-        assert torch.allclose(torch.tensor(lps), expected[r, : len(lps)], atol=1e-3, rtol=0), r
+        # FP8: a batch-dependent GEMM order can flip one rounding (~1e-3); a wrong warper is off by > 0.1
+        assert torch.allclose(torch.tensor(lps), expected[r, : len(lps)], atol=1e-2, rtol=0), r
+
+
+def _graphs_or_skip():
+    from jetrl_trainer.kernels import triton_available
+
+    if not triton_available():
+        pytest.skip("needs Triton (the graphed decode step runs the Triton attention kernel)")
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_graphed_decode_matches_generate_and_the_eager_engine(precision):
+    _graphs_or_skip()
+    model, tok = _model(precision), tokenizer()
+    config = GenerationConfig(max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=[-1])
+    ids, mask = left_pad(PROMPTS, tok.pad_token_id)
+    with precision_phase("rollout"):
+        out = model.generate(input_ids=ids.cuda(), attention_mask=mask.cuda(), generation_config=config)
+        expected, _ = truncate_after_eos(out[:, ids.shape[1] :].cpu(), torch.zeros(out.shape), [-1])
+        engine = DecodeEngine(model, cuda_graphs=True)
+        graphed, graphed_lp = engine.generate(PROMPTS, config, eos_token_ids=[-1], seed=0, pad_token_id=0)
+        refilled, _ = DecodeEngine(model, cuda_graphs=True, max_batch_size=3).generate(
+            PROMPTS, config, eos_token_ids=[-1], seed=0, pad_token_id=0
+        )
+        eager, eager_lp = DecodeEngine(model, cuda_graphs=False).generate(PROMPTS, config, eos_token_ids=[-1], seed=0,
+                                                                           pad_token_id=0)  # fmt: skip
+    assert engine.cuda_graphs and graphed == expected == refilled == eager
+    for a, b in zip(graphed_lp, eager_lp):
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-3, rtol=0)
+
+
+def test_graphed_sampling_records_the_warped_logprobs():
+    _graphs_or_skip()
+    model, tok = _model("fp8"), tokenizer()
+    warp = dict(temperature=0.7, top_k=12, top_p=0.9)
+    config = GenerationConfig(max_new_tokens=8, do_sample=True, pad_token_id=tok.pad_token_id, **warp)
+    budgets = [8, 3, 5, 1]  # rows leave their slots at different steps
+    with precision_phase("rollout"):
+        tokens, logprobs = DecodeEngine(model, cuda_graphs=True).generate(
+            PROMPTS, config, eos_token_ids=[-1], seed=5, pad_token_id=0, row_budgets=budgets
+        )
+        assert [len(t) for t in tokens] == budgets
+        for r, (t, lps) in enumerate(zip(tokens, logprobs)):
+            ids = torch.tensor([PROMPTS[r] + t], device="cuda")
+            logits = model(input_ids=ids).logits[:, len(PROMPTS[r]) - 1 : -1]
+            expected = processed_logprobs(logits.float(), torch.tensor([t], device="cuda"), **warp)[0].cpu()
+            assert torch.allclose(torch.tensor(lps), expected, atol=1e-2, rtol=0), r  # see above
+
+
+def test_a_graph_replayed_after_an_optimizer_step_sees_the_new_weights():
+    """The FP8 weight cache refreshes in place, so a captured graph reads the updated weights."""
+    from jetrl_trainer.quant import QuantLinear
+
+    layer = QuantLinear(256, 384, bias=False, device="cuda", dtype=torch.bfloat16, train="fp8", rollout="fp8")
+    x = torch.randn(16, 256, device="cuda", dtype=torch.bfloat16)
+    opt = torch.optim.SGD(layer.parameters(), lr=1.0)
+    with torch.no_grad(), precision_phase("rollout"):
+        layer(x)  # fill the cache, warm the kernels
+        graph, static = torch.cuda.CUDAGraph(), torch.empty(16, 384, device="cuda", dtype=torch.bfloat16)
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            static.copy_(layer(x))
+        graph.replay()
+        before = static.clone()
+    layer(x.requires_grad_()).float().pow(2).sum().backward()
+    opt.step()
+    with torch.no_grad(), precision_phase("rollout"):
+        eager = layer(x.detach())  # refreshes the cache (in place)
+        graph.replay()
+    assert not torch.equal(before, eager)
+    assert torch.equal(static, eager)

@@ -167,6 +167,27 @@ def test_weight_cache_invalidated_once_per_optimizer_step(optim_kw):
     assert not torch.equal(after, before)
 
 
+def test_weight_refresh_writes_into_the_cached_tensors():
+    """After an optimizer step the cache is refreshed in place: a CUDA graph captured on the old
+    tensors (the decode engine's) reads the new weights, and they equal a fresh quantization."""
+    from jetrl_trainer.quant.recipe import get_recipe
+
+    _, q = _pair()
+    recipe = get_recipe("fp8")
+    opt = torch.optim.SGD(q.parameters(), lr=0.5)
+    w_q, w_s = q.quantized_weight(recipe)
+    pointers = (w_q.data_ptr(), w_s.data_ptr())
+    q(torch.randn(8, 200)).sum().backward()
+    opt.step()
+    new_q, new_s = q.quantized_weight(recipe)
+    assert new_q is w_q and new_s is w_s
+    assert (new_q.data_ptr(), new_s.data_ptr()) == pointers
+    fresh_q, fresh_s = quantize_fp8_blocks(q.weight.detach())
+    assert_bits_equal(new_q, fresh_q, "w_q")
+    assert_bits_equal(new_s, fresh_s, "w_s")
+    assert q.weight_quantizations == 2
+
+
 def test_in_place_edits_invalidate_but_data_edits_need_an_explicit_call():
     _, q = _pair()
     x = torch.randn(4, 200)

@@ -11,7 +11,12 @@ GRPO samples ``num_generations`` completions per prompt, so prefill runs once pe
 and its KV is shared by copy. The cache holds ``num_slots`` sequences: all of them unless
 ``max_batch_size`` (from the KV token budget) is smaller, in which case the rest wait for slots.
 
-This is the plain-torch engine (CPU and any GPU): no CUDA graphs and the reference attention.
+On CUDA with Triton, decode attention is the split-KV kernel (`kernels/triton_decode_attention.py`,
+reading each row's live KV in place) and the decode step (the layers, the LM head and sampling) is
+captured in a CUDA graph per batch-size bucket: the live batch runs in the smallest bucket that
+holds it, padded with a scratch slot. Elsewhere the step runs eagerly with SDPA over the live KV.
+Graphs and cache live for one `generate` call, so the FP8 weights they captured are the ones the
+training forward uses at that optimizer step.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from jetrl_trainer._hashing import M32, mix32
 from ..hf_generate import left_pad
 from .architecture import DecoderView
 from .attention import decode_attention, prefill_attention
+from .graphs import DecodeGraphs, cuda_graphs_available
 from .kv_cache import KVCache
 from .sampling import TokenSampler, unsupported_generation_reason
 
@@ -46,16 +52,21 @@ class _Sequence:
 class DecodeEngine:
     """Generates completions and their sampling log-probs with a model's own modules."""
 
-    def __init__(self, model: nn.Module, *, max_batch_size: int | None = None) -> None:
+    def __init__(self, model: nn.Module, *, max_batch_size: int | None = None, cuda_graphs: bool | None = None) -> None:
         self.view = DecoderView.from_model(model)
         self.max_batch_size = max_batch_size
+        self.cuda_graphs = cuda_graphs_available(self.view.device) if cuda_graphs is None else cuda_graphs
 
     @torch.no_grad()
     def generate(
         self, prompt_ids: Sequence[Sequence[int]], config: GenerationConfig, *, eos_token_ids: Sequence[int],
-        seed: int, pad_token_id: int = 0,
+        seed: int, pad_token_id: int = 0, row_budgets: Sequence[int] | None = None,
     ) -> tuple[list[list[int]], list[list[float]]]:  # fmt: skip
-        """One completion per prompt (stopped after its first EOS, kept) and per-token log-probs."""
+        """One completion per prompt (stopped after its first EOS, kept) and per-token log-probs.
+
+        ``row_budgets`` (benchmarks, tests) stops sequence ``i`` after ``row_budgets[i]`` tokens, as
+        an EOS there would: variable-length rollouts on a random model that never emits EOS.
+        """
         reason = unsupported_generation_reason(config)
         if reason is not None:
             raise ValueError(f"the decode engine cannot honour this GenerationConfig: {reason}.")
@@ -66,22 +77,26 @@ class DecodeEngine:
         slots = min(len(seqs), self.max_batch_size or len(seqs))
         v = self.view
         cache = KVCache(
-            num_layers=len(v.layers), num_slots=slots, max_len=max(map(len, prompts)) + config.max_new_tokens,
-            num_kv_heads=v.num_kv_heads, head_dim=v.head_dim, dtype=v.dtype, device=v.device,
+            num_layers=len(v.layers), num_slots=slots + self.cuda_graphs,  # + the graphs' scratch slot
+            max_len=max(map(len, prompts)) + config.max_new_tokens, num_kv_heads=v.num_kv_heads,
+            head_dim=v.head_dim, dtype=v.dtype, device=v.device,
         )  # fmt: skip
         sampler, eos = TokenSampler(config), set(eos_token_ids)
+        graphs = DecodeGraphs(self, cache, sampler, max_rows=slots) if self.cuda_graphs else None
         seed_hash = mix32(torch.tensor(seed & M32, dtype=torch.int64))
         row_seed = {s.index: int(mix32(seed_hash ^ s.index)) for s in seqs}
         pending, running, free = deque(seqs), {}, list(range(slots - 1, -1, -1))
+        budget = [min(config.max_new_tokens, b) for b in row_budgets] if row_budgets else [config.max_new_tokens] * len(seqs)
 
-        def record(batch: list[tuple[int, _Sequence]], logits: Tensor) -> None:
-            seeds = torch.tensor([row_seed[s.index] for _, s in batch], device=logits.device)
-            steps = torch.tensor([len(s.tokens) for _, s in batch], device=logits.device)
-            tokens, logps = sampler.sample(logits, seeds, steps)
+        def step_inputs(batch: list[tuple[int, _Sequence]]) -> tuple[Tensor, Tensor]:
+            seeds = torch.tensor([row_seed[s.index] for _, s in batch], device=v.device)
+            return seeds, torch.tensor([len(s.tokens) for _, s in batch], device=v.device)
+
+        def record(batch: list[tuple[int, _Sequence]], tokens: Tensor, logps: Tensor) -> None:
             for (slot, s), t, lp in zip(batch, tokens.tolist(), logps.tolist()):
                 s.tokens.append(t)
                 s.logprobs.append(lp)
-                if t in eos or len(s.tokens) == config.max_new_tokens:
+                if t in eos or len(s.tokens) == budget[s.index]:
                     running.pop(slot, None)
                     free.append(slot)
 
@@ -96,10 +111,17 @@ class DecodeEngine:
                 running[slot] = s
                 started.append((slot, s))
             if started:  # first token from the prefill logits of each one's prompt
-                record(started, first_logits[torch.tensor([s.prompt for _, s in started], device=v.device)])
+                logits = first_logits[torch.tensor([s.prompt for _, s in started], device=v.device)]
+                record(started, *sampler.sample(logits, *step_inputs(started)))
             if running:
                 batch = sorted(running.items())
-                record(batch, self.decode_step(cache, batch))
+                slots_t = torch.tensor([slot for slot, _ in batch], device=v.device)
+                last = torch.tensor([s.tokens[-1] for _, s in batch], device=v.device)
+                if graphs is not None:
+                    record(batch, *graphs.step(slots_t, last, *step_inputs(batch)))
+                else:
+                    logits = self.decode_step(cache, slots_t, last)
+                    record(batch, *sampler.sample(logits, *step_inputs(batch)))
         return [s.tokens for s in seqs], [s.logprobs for s in seqs]
 
     def prefill(self, prompts: list[tuple[int, ...]], pad_token_id: int) -> tuple[list[Tensor], list[Tensor], Tensor]:
@@ -119,19 +141,27 @@ class DecodeEngine:
         hidden = v.hidden_states(ids, positions, attend)
         return keys, values, v.logits(hidden[:, -1])
 
-    def decode_step(self, cache: KVCache, batch: list[tuple[int, _Sequence]]) -> Tensor:
-        """Feed each running row its last token; FP32 logits ``(B, V)`` for the next one."""
+    def decode_step(self, cache: KVCache, slots: Tensor, tokens: Tensor, *, kernel: bool = False) -> Tensor:
+        """Feed each row ``tokens[b]`` at the end of slot ``slots[b]``; FP32 logits ``(B, V)`` for the next one.
+
+        ``kernel=True`` (CUDA graphs) runs the split-KV Triton attention, which reads ``lengths`` on
+        the device; otherwise SDPA over the live prefix.
+        """
         v = self.view
-        slots = torch.tensor([slot for slot, _ in batch], device=v.device)
-        tokens = torch.tensor([[s.tokens[-1]] for _, s in batch], device=v.device)
         positions = cache.lengths[slots][:, None]
+        lengths = cache.lengths[slots] + 1
 
         def attend(layer: int, q: Tensor, k: Tensor, val: Tensor) -> Tensor:
             cache.append(layer, slots, k[:, :, 0], val[:, :, 0])
-            out = decode_attention(q[:, :, 0], cache.k[layer, slots], cache.v[layer, slots], cache.lengths[slots] + 1,
-                                   v.scaling)  # fmt: skip
+            if kernel:
+                from jetrl_trainer.kernels.triton_decode_attention import decode_attention as attention_kernel
+
+                out = attention_kernel(q[:, :, 0].contiguous(), cache.k[layer], cache.v[layer], slots, lengths,
+                                       v.scaling)  # fmt: skip
+            else:
+                out = decode_attention(q[:, :, 0], cache.k[layer, slots], cache.v[layer, slots], lengths, v.scaling)
             return out[:, :, None]
 
-        hidden = v.hidden_states(tokens, positions, attend)
-        cache.lengths[slots] += 1
+        hidden = v.hidden_states(tokens[:, None], positions, attend)
+        cache.lengths[slots] = lengths
         return v.logits(hidden[:, -1])

@@ -1,0 +1,169 @@
+"""Rollout throughput: HF generate (today's hf backend) against the decode engine, BF16 and FP8.
+
+One process, one model: an 8B-shaped random Qwen3 (36 layers, BF16 master weights) converted with
+``quantize_model(train="bf16", rollout="fp8")``, so the "train" phase is BF16 and the "rollout"
+phase FP8 on the very same Parameters. Prompts of 128 tokens, 8 distinct prompts x G generations
+(GRPO's shape), 256 new tokens, no EOS (a random model never stops), plus a variable-length case
+where 3 of 4 rows stop at a random step (the engine's ``row_budgets`` hook).
+
+Reported per run: tok/s of generated tokens, ms per decode step, the fraction of the bandwidth
+floor (weights + live KV read per step over the measured copy bandwidth), peak memory, and for the
+FP8 engine the unified-flow mismatch (recorded log-probs vs the FP8 training-phase forward).
+
+Usage: ``python benchmarks/bench_rollout.py [--layers 36] [--batches 64,256] [--new 256] [--skip-hf]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from _common import copy_bandwidth_gbs, dump, environment
+from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+
+from jetrl_trainer.quant import QuantLinear, precision_phase, quantize_model
+from jetrl_trainer.rollout import generate_with_logprobs, left_pad
+from jetrl_trainer.rollout.engine import DecodeEngine
+
+PROMPT, DISTINCT = 128, 8
+
+
+def build_model(layers: int) -> Qwen3ForCausalLM:
+    config = Qwen3Config(
+        hidden_size=4096, intermediate_size=12288, num_hidden_layers=layers, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False,
+        max_position_embeddings=4096, dtype=torch.bfloat16,
+    )  # fmt: skip
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):  # HF's random init, on the GPU
+            model = Qwen3ForCausalLM(config)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    quantize_model(model, train="bf16", rollout="fp8")
+    return model.eval()
+
+
+def weight_bytes(model, fp8: bool) -> int:
+    total = 0
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            total += m.weight.numel() * (1 if fp8 else 2) + (m.weight.numel() // (128 * 128) * 4 if fp8 else 0)
+        elif isinstance(m, (torch.nn.Embedding, torch.nn.Linear)) or "Norm" in type(m).__name__:
+            total += sum(p.numel() * p.element_size() for p in m.parameters(recurse=False))
+    return total
+
+
+def kv_bytes_per_token(model) -> int:
+    c = model.config
+    return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 2
+
+
+def prompts(batch: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    distinct = [torch.randint(100, 150000, (PROMPT,), generator=g).tolist() for _ in range(DISTINCT)]
+    return [distinct[i % DISTINCT] for i in range(batch)]
+
+
+def timed(fn):
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    start = time.perf_counter()
+    out = fn()
+    torch.cuda.synchronize()
+    return out, time.perf_counter() - start, (torch.cuda.max_memory_allocated() - base) / 2**30
+
+
+def floor_fraction(model, fp8: bool, batch: int, new: int, seconds: float, gbs: float) -> float:
+    # per step: all weights once + the live KV of every row (mean live length prompt + new/2)
+    per_step = weight_bytes(model, fp8) + batch * (PROMPT + new / 2) * kv_bytes_per_token(model)
+    return (new * per_step / (gbs * 1e9)) / seconds
+
+
+def set_train_recipe(model, recipe: str) -> None:
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            m.set_recipes(train=recipe)
+
+
+def mismatch(model, ps, completions, logprobs, rows: int = 8) -> float:
+    """mean |recorded - FP8 training-phase teacher-forced| over the first ``rows`` rows."""
+    ps, completions, logprobs = ps[:rows], completions[:rows], logprobs[:rows]
+    ids, mask = left_pad(ps, 0)
+    comp = torch.tensor(completions)
+    full = torch.cat([ids, comp], 1).cuda()
+    full_mask = torch.cat([mask, torch.ones_like(comp)], 1).cuda()
+    set_train_recipe(model, "fp8")  # the unified flow: train phase FP8 too
+    with torch.no_grad(), precision_phase("train"):
+        logits = model(input_ids=full, attention_mask=full_mask, logits_to_keep=comp.shape[1] + 1).logits[:, :-1]
+        lp = torch.log_softmax(logits.float(), -1).gather(-1, comp.cuda()[..., None])[..., 0]
+    set_train_recipe(model, "bf16")
+    return (lp.cpu() - torch.tensor(logprobs)).abs().mean().item()
+
+
+def run_case(model, batch: int, new: int, gbs: float, skip_hf: bool, variable: bool) -> list[dict]:
+    ps = prompts(batch)
+    config = GenerationConfig(max_new_tokens=new, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                              pad_token_id=0, eos_token_id=[-1])  # fmt: skip
+    budgets = None
+    if variable:  # 3 of 4 rows stop early, at a uniformly random step
+        g = torch.Generator().manual_seed(1)
+        budgets = [new if i % 4 == 0 else int(torch.randint(1, new, (1,), generator=g)) for i in range(batch)]
+    generated = sum(budgets) if budgets else batch * new
+    results = []
+    runs = [("engine", "bf16"), ("engine", "fp8")] + ([] if skip_hf or variable else [("hf", "bf16"), ("hf", "fp8")])
+    for backend, precision in runs:
+        phase = "rollout" if precision == "fp8" else "train"
+        with torch.no_grad(), precision_phase(phase):
+            if backend == "engine":
+                engine = DecodeEngine(model)
+                fn = lambda: engine.generate(ps, config, eos_token_ids=[-1], seed=0, row_budgets=budgets)  # noqa: E731
+                if precision == "bf16":  # first engine run: compile Triton kernels outside the timing
+                    DecodeEngine(model).generate(ps[:2], GenerationConfig(**{**config.to_dict(), "max_new_tokens": 4}),
+                                                 eos_token_ids=[-1], seed=0)  # fmt: skip
+            else:
+                fn = lambda: generate_with_logprobs(model, ps, config, pad_token_id=0, eos_token_ids=[-1])  # noqa: E731
+            (ids, lps), seconds, peak = timed(fn)
+        row = dict(case="variable" if variable else "fixed", backend=backend, precision=precision, batch=batch,
+                   new_tokens=new, generated_tokens=generated, seconds=round(seconds, 3),
+                   tok_per_s=round(generated / seconds, 1), ms_per_step=round(1e3 * seconds / new, 3),
+                   peak_gib=round(peak, 2))  # fmt: skip
+        if not variable:
+            row["floor_fraction"] = round(floor_fraction(model, precision == "fp8", batch, new, seconds, gbs), 3)
+        if backend == "engine" and precision == "fp8" and not variable:
+            row["unified_mismatch_mean_abs"] = mismatch(model, ps, ids, lps)
+        results.append(row)
+        print(row, flush=True)
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=36)
+    ap.add_argument("--batches", default="64,256")
+    ap.add_argument("--new", type=int, default=256)
+    ap.add_argument("--skip-hf", action="store_true")
+    args = ap.parse_args()
+    gbs = copy_bandwidth_gbs()
+    model = build_model(args.layers)
+    rows = []
+    for batch in map(int, args.batches.split(",")):
+        rows += run_case(model, batch, args.new, gbs, args.skip_hf, variable=False)
+    rows += run_case(model, int(args.batches.split(",")[0]), args.new, gbs, True, variable=True)
+    by = {(r["case"], r["backend"], r["precision"], r["batch"]): r for r in rows}
+    summary = {}
+    for batch in map(int, args.batches.split(",")):
+        e16, e8 = by.get(("fixed", "engine", "bf16", batch)), by.get(("fixed", "engine", "fp8", batch))
+        h16 = by.get(("fixed", "hf", "bf16", batch))
+        if e16 and e8:
+            summary[f"b{batch}_engine_fp8_over_bf16"] = round(e8["tok_per_s"] / e16["tok_per_s"], 3)
+        if e16 and h16:
+            summary[f"b{batch}_engine_bf16_over_hf_bf16"] = round(e16["tok_per_s"] / h16["tok_per_s"], 2)
+    dump(dict(benchmark="rollout", env=environment(), copy_gbs=round(gbs, 1), layers=args.layers, rows=rows,
+              summary=summary))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

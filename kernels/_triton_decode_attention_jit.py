@@ -1,0 +1,80 @@
+"""``@triton.jit`` split-KV decode attention (imported only when Triton is present).
+
+Phase 1, one program per (row, KV head, split): the G query heads that share the KV head attend
+to the split's live positions with an online softmax; it writes its running max ``m``, sum ``l``
+and unnormalized output ``acc`` in FP32. Positions past the row's length are never loaded.
+Phase 2, one program per (row, query head): rescales and sums the splits.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def decode_attention_split_kernel(
+    q_ptr, k_ptr, v_ptr, slots_ptr, lengths_ptr, m_ptr, l_ptr, acc_ptr,
+    scale,
+    stride_qb, stride_qh,
+    stride_ks, stride_kh, stride_kt,
+    stride_vs, stride_vh, stride_vt,
+    stride_mb, stride_mh,
+    stride_ab, stride_ah, stride_as,
+    GROUPS: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    length = tl.load(lengths_ptr + b).to(tl.int32)
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    start = split * TILES * BLOCK_N
+    end = tl.minimum(start + TILES * BLOCK_N, length)
+    g = tl.arange(0, G_PAD)
+    d = tl.arange(0, D)
+    heads = kvh * GROUPS + g
+    g_ok = g < GROUPS
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=g_ok[:, None], other=0.0)
+    q = (q.to(tl.float32) * scale).to(q_ptr.dtype.element_ty)
+    m_i = tl.full((G_PAD,), float("-inf"), tl.float32)
+    l_i = tl.zeros((G_PAD,), tl.float32)
+    acc = tl.zeros((G_PAD, D), tl.float32)
+    k_base = k_ptr + slot * stride_ks + kvh * stride_kh
+    v_base = v_ptr + slot * stride_vs + kvh * stride_vh
+    for i in range(TILES):  # static trip count (a loaded bound cannot drive a loop in the interpreter)
+        t0 = start + i * BLOCK_N
+        if t0 < end:  # tiles past the row's length are skipped: their KV is never read
+            t = t0 + tl.arange(0, BLOCK_N)
+            t_ok = t < end
+            k = tl.load(k_base + t[:, None] * stride_kt + d[None, :], mask=t_ok[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # (G_PAD, BLOCK_N), FP32 accumulate
+            s = tl.where(t_ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_base + t[:, None] * stride_vt + d[None, :], mask=t_ok[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+    row = b * stride_mb + heads * stride_mh + split
+    tl.store(m_ptr + row, m_i, mask=g_ok)
+    tl.store(l_ptr + row, l_i, mask=g_ok)
+    out = acc_ptr + b * stride_ab + heads[:, None] * stride_ah + split * stride_as + d[None, :]
+    tl.store(out, acc, mask=g_ok[:, None])
+
+
+@triton.jit
+def decode_attention_reduce_kernel(
+    m_ptr, l_ptr, acc_ptr, out_ptr,
+    stride_mb, stride_mh, stride_ab, stride_ah, stride_as, stride_ob, stride_oh,
+    SPLITS: tl.constexpr, S_PAD: tl.constexpr, D: tl.constexpr,
+):  # fmt: skip
+    b, h = tl.program_id(0), tl.program_id(1)
+    s = tl.arange(0, S_PAD)
+    s_ok = s < SPLITS
+    d = tl.arange(0, D)
+    m = tl.load(m_ptr + b * stride_mb + h * stride_mh + s, mask=s_ok, other=float("-inf"))
+    l = tl.load(l_ptr + b * stride_mb + h * stride_mh + s, mask=s_ok, other=0.0)
+    acc = tl.load(acc_ptr + b * stride_ab + h * stride_ah + s[:, None] * stride_as + d[None, :], mask=s_ok[:, None],
+                  other=0.0)  # fmt: skip
+    m_max = tl.max(m, axis=0)
+    w = tl.where(m > float("-inf"), tl.exp(m - m_max), 0.0)  # empty splits weigh nothing
+    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))

@@ -1,0 +1,99 @@
+"""Split-KV decode attention over a slot KV cache (flash-decoding), GQA-aware, and its reference.
+
+One new query per row attends to the first ``lengths[b]`` positions of its slot ``slots[b]``:
+
+=====================  ==========================================  ==========================
+operand                shape / layout                               dtype
+=====================  ==========================================  ==========================
+``q``                  [B, H, D], unit stride along D               bf16 / fp16 / fp32
+``k_cache, v_cache``   [S, H_kv, T, D], unit stride along D         same as ``q``
+``slots``              [B]                                          int32 / int64
+``lengths``            [B], 1 <= lengths[b] <= T                    int32 / int64
+output                 [B, H, D], contiguous                        same as ``q``
+=====================  ==========================================  ==========================
+
+Why not SDPA: a masked SDPA over a static cache reads all T positions of every row (measured
+108 ms per step at batch 1 over a 512-slot cache for an 8B shape); this kernel reads each row's
+live positions only, split over ``splits`` programs so that short batches still fill the GPU.
+The launch depends on shapes alone (``lengths`` is read on the device), so it captures in a
+CUDA graph. Departure from the reference: summation order only (FP32 accumulation; P·V with P
+rounded to the cache dtype, as flash attention does).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._triton_support import call_op, cdiv, load_jit
+
+__all__ = ["decode_attention", "decode_attention_reference"]
+
+BLOCK_N = 32
+
+
+def decode_attention_reference(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, lengths: Tensor, scale: float
+) -> Tensor:
+    """Pure torch, FP32: softmax(q·kᵀ·scale over the live positions)·v per row and head."""
+    B, H, D = q.shape
+    k, v = k_cache[slots].float(), v_cache[slots].float()  # (B, H_kv, T, D)
+    groups = H // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = torch.einsum("bhd,bhtd->bht", q.float(), k) * scale
+    dead = torch.arange(k.shape[2], device=q.device)[None, :] >= lengths[:, None]
+    scores = scores.masked_fill(dead[:, None, :], float("-inf"))
+    return torch.einsum("bht,bhtd->bhd", scores.softmax(-1), v).to(q.dtype)
+
+
+@torch.library.custom_op("jetrl::decode_attention", mutates_args=(), device_types="cuda")
+def _decode_attention_op(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, lengths: Tensor, scale: float, splits: int
+) -> Tensor:
+    jit = load_jit("_triton_decode_attention_jit")
+    B, H, D = q.shape
+    h_kv, T = k_cache.shape[1], k_cache.shape[2]
+    groups = H // h_kv
+    tiles = cdiv(cdiv(T, splits), BLOCK_N)  # BLOCK_N-position tiles per split
+    m = torch.empty((B, H, splits), dtype=torch.float32, device=q.device)
+    l = torch.empty_like(m)
+    acc = torch.empty((B, H, splits, D), dtype=torch.float32, device=q.device)
+    out = torch.empty_like(q)
+    jit.decode_attention_split_kernel[(B, h_kv, splits)](
+        q, k_cache, v_cache, slots, lengths, m, l, acc, scale,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), m.stride(0), m.stride(1),
+        acc.stride(0), acc.stride(1), acc.stride(2),
+        GROUPS=groups, G_PAD=max(16, 1 << (groups - 1).bit_length()), D=D, BLOCK_N=BLOCK_N, TILES=tiles,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # FP32 caches: no silent TF32
+        num_warps=4,
+    )  # fmt: skip
+    jit.decode_attention_reduce_kernel[(B, H)](
+        m, l, acc, out, m.stride(0), m.stride(1), acc.stride(0), acc.stride(1), acc.stride(2),
+        out.stride(0), out.stride(1), SPLITS=splits, S_PAD=max(2, 1 << (splits - 1).bit_length()), D=D,
+        num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+@_decode_attention_op.register_fake
+def _(q, k_cache, v_cache, slots, lengths, scale, splits):
+    return torch.empty_like(q)
+
+
+def decode_attention(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, lengths: Tensor, scale: float, *, splits: int = 8
+) -> Tensor:
+    """Attention of ``q`` ``(B, H, D)`` over each row's live cached positions; see the module table."""
+    if q.device.type != "cuda":
+        raise ValueError("decode_attention is a CUDA kernel; on CPU use decode_attention_reference.")
+    B, H, D = q.shape
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.shape[3] != D:
+        raise ValueError(f"k_cache / v_cache must be (S, H_kv, T, {D}); got {tuple(k_cache.shape)}, "
+                         f"{tuple(v_cache.shape)}.")  # fmt: skip
+    if H % k_cache.shape[1] or D & (D - 1) or D < 16:
+        raise ValueError(f"need H % H_kv == 0 and a power-of-two head_dim >= 16; got H={H}, "
+                         f"H_kv={k_cache.shape[1]}, D={D}.")  # fmt: skip
+    if q.dtype != k_cache.dtype or q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("q and the caches must share a dtype and have unit stride along head_dim.")
+    return call_op(_decode_attention_op, q, k_cache, v_cache, slots, lengths, float(scale), int(splits))

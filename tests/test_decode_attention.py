@@ -1,0 +1,99 @@
+"""Split-KV decode attention (kernels/triton_decode_attention.py): the reference on CPU, the kernel
+on CUDA against it (GQA, ragged live lengths, every split count, dtypes), and CUDA-graph replay."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from jetrl_trainer.kernels.triton_decode_attention import decode_attention, decode_attention_reference
+from jetrl_trainer.rollout.engine.attention import decode_attention as engine_sdpa_attention
+
+SHAPES = [  # B, H, H_kv, T, D, slots
+    (3, 4, 2, 40, 32, 5),
+    (5, 8, 8, 100, 64, 6),
+    (2, 6, 2, 70, 32, 4),
+    (4, 32, 8, 300, 128, 4),  # an 8B-like head layout
+]
+
+
+def _inputs(B, H, Hkv, T, D, S, dtype, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, D, generator=g).to(device, dtype)
+    k = torch.randn(S, Hkv, T, D, generator=g).to(device, dtype)
+    v = torch.randn(S, Hkv, T, D, generator=g).to(device, dtype)
+    slots = torch.randperm(S, generator=g)[:B].to(device) if B <= S else torch.randint(0, S, (B,), generator=g).to(device)
+    lengths = torch.randint(1, T + 1, (B,), generator=g)
+    lengths[0], lengths[-1] = 1, T  # the extremes
+    return q, k, v, slots, lengths.to(device)
+
+
+@pytest.mark.parametrize("shape", SHAPES[:3])
+def test_reference_equals_the_engines_sdpa_path(shape):
+    q, k, v, slots, lengths = _inputs(*shape, torch.float32)
+    ref = decode_attention_reference(q, k, v, slots, lengths, shape[4] ** -0.5)
+    sdpa = engine_sdpa_attention(q, k[slots], v[slots], lengths, shape[4] ** -0.5)
+    assert torch.allclose(ref, sdpa, atol=1e-5, rtol=0)
+
+
+def test_reference_ignores_positions_past_the_length():
+    q, k, v, slots, lengths = _inputs(3, 4, 2, 40, 32, 5, torch.float32)
+    before = decode_attention_reference(q, k, v, slots, lengths, 0.2)
+    k2, v2 = k.clone(), v.clone()
+    for b in range(3):
+        k2[slots[b], :, lengths[b] :] = float("nan")
+        v2[slots[b], :, lengths[b] :] = 1e4
+    assert torch.equal(decode_attention_reference(q, k2.nan_to_num(1e4), v2, slots, lengths, 0.2), before)
+
+
+def test_the_kernel_refuses_cpu_tensors_and_bad_shapes():
+    q, k, v, slots, lengths = _inputs(3, 4, 2, 40, 32, 5, torch.float32)
+    with pytest.raises(ValueError, match="decode_attention is a CUDA kernel"):
+        decode_attention(q, k, v, slots, lengths, 0.1)
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _need_triton():
+    from jetrl_trainer.kernels import triton_available
+
+    if not triton_available():
+        pytest.skip("needs Triton")
+
+
+@pytest.mark.gpu
+@CUDA
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("splits", [1, 4, 16])
+def test_kernel_matches_the_reference(shape, dtype, splits):
+    _need_triton()
+    q, k, v, slots, lengths = _inputs(*shape, dtype, device="cuda")
+    scale = shape[4] ** -0.5
+    out = decode_attention(q, k, v, slots, lengths, scale, splits=splits)
+    ref = decode_attention_reference(q, k, v, slots, lengths, scale)
+    tol = {torch.float32: 2e-3, torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype]  # P rounded to the cache dtype
+    assert out.dtype == dtype and torch.allclose(out.float(), ref.float(), atol=tol, rtol=0)
+
+
+@pytest.mark.gpu
+@CUDA
+def test_kernel_reads_only_live_positions_and_replays_in_a_graph():
+    _need_triton()
+    q, k, v, slots, lengths = _inputs(4, 32, 8, 300, 128, 4, torch.bfloat16, device="cuda")
+    for b in range(4):  # poison what lies past each row's length: the kernel must never read it
+        k[slots[b], :, lengths[b] :] = float("nan")
+        v[slots[b], :, lengths[b] :] = float("nan")
+    out = decode_attention(q, k, v, slots, lengths, 0.088)
+    assert torch.isfinite(out).all()
+    graph, static = torch.cuda.CUDAGraph(), torch.empty_like(out)
+    decode_attention(q, k, v, slots, lengths, 0.088)  # warm-up outside the capture
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        static.copy_(decode_attention(q, k, v, slots, lengths, 0.088))
+    new_lengths = (lengths - 1).clamp(min=1)
+    lengths.copy_(new_lengths)  # the graph reads lengths on the device
+    graph.replay()
+    ref = decode_attention_reference(q, k.nan_to_num(0.0), v.nan_to_num(0.0), slots, new_lengths, 0.088)
+    assert torch.allclose(static.float(), ref.float(), atol=3e-2, rtol=0)
