@@ -10,7 +10,8 @@ Each kernel reproduces ``jetrl_trainer.quant.fp8`` *as torch computes it on CUDA
   ``_fp8_bits``);
 * NaN is propagated through the amax (``tl.max`` alone would drop it);
 * ue8m0 rounds the scale up to a power of two by bit manipulation (== frexp/ldexp for the normal,
-  positive scales that ``max(amax, 1e-10) / 448`` can produce).
+  positive scales that ``max(amax, 1e-10) / 448`` can produce); under its top scale 2^120, q
+  saturates at ±240 so that q * scale stays finite, as in the reference.
 
 Quantized tensors are stored through ``uint8`` views so no FP8 store path is involved.
 """
@@ -20,6 +21,8 @@ import triton.language as tl
 
 _INV_FP8_MAX = tl.constexpr(1.0 / 448.0)
 _AMAX_FLOOR = tl.constexpr(1e-10)
+_UE8M0_TOP = tl.constexpr(2.0**120)  # quant/fp8.py: q * 2^120 overflows from q = 256 up
+_UE8M0_TOP_MAX = tl.constexpr(240.0)
 
 
 @triton.jit
@@ -52,9 +55,12 @@ def _fp8_bits(x, scale):
     No explicit clamp: Triton lowers this cast to ``cvt.rn.satfinite.e4m3x2.f32`` on SM89+, which
     rounds to nearest even and saturates to ±448 exactly as clamp-then-cast does. NaN needs no
     care either: a NaN quotient on the GPU is the canonical (positive) NaN, which both torch and
-    the hardware cast turn into 0x7f. The GPU tests check both claims bit for bit.
+    the hardware cast turn into 0x7f. The GPU tests check both claims bit for bit. Under the top
+    ue8m0 scale (fp32 scales never reach it) the quotient is clamped to ±240 first, as the reference does.
     """
     v = tl.math.div_rn(x, scale)
+    top = (scale == _UE8M0_TOP) & (tl.abs(v) > _UE8M0_TOP_MAX)
+    v = tl.where(top, tl.where(v > 0, _UE8M0_TOP_MAX, -_UE8M0_TOP_MAX), v)
     return v.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
 
 

@@ -9,7 +9,11 @@ these functions bit for bit, so they are written for clarity, not speed.
   for bit; the two definitions differ in the last bit of about half the scales;
 * ``q = saturate(round_to_nearest_even(x / s))`` — a true division, never ``x * (1 / s)``,
   because the two differ in the last bit and kernels must match;
-* optional ``ue8m0`` scale format: ``s`` rounded *up* to a power of two (DeepGEMM / Blackwell);
+* optional ``ue8m0`` scale format: ``s`` rounded *up* to a power of two (DeepGEMM / Blackwell).
+  Finite inputs saturate, never overflow: a group with amax above ``448 * 2^119`` (≈ 2.98e38) gets the
+  largest scale ``2^120``, where ``q = 256`` would dequantize to ``2^128 = inf``; there ``q``
+  saturates at ±240 instead (``240 * 2^120`` ≈ 3.19e38 is the largest finite ue8m0 value). With
+  ``fp32`` scales ``q * s`` stays finite up to the float32 maximum without this;
 * a ragged last group or block takes its amax over the elements present;
 * an all-zero group gets scale ``1e-10 / 448`` and values 0; NaN/Inf are not clipped into finite
   numbers: a group holding one quantizes (and dequantizes) to non-finite values.
@@ -39,6 +43,8 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 _AMAX_FLOOR = 1e-10
 _INV_FP8_MAX = 1.0 / FP8_MAX  # rounded to FP32 by the multiply, as ATen's CUDA division does
+_UE8M0_TOP = 2.0**120  # the largest power-of-two scale a finite amax can get (float32 max / 448 < 2^120)
+_UE8M0_TOP_MAX = 240.0  # the largest E4M3 value q with q * 2^120 finite (256 * 2^120 = 2^128 overflows)
 
 
 def fp8_scale_from_amax(amax: torch.Tensor, scale_format: str = "fp32") -> torch.Tensor:
@@ -53,10 +59,19 @@ def fp8_scale_from_amax(amax: torch.Tensor, scale_format: str = "fp32") -> torch
     return scale
 
 
-def _to_fp8(x_over_s: torch.Tensor) -> torch.Tensor:
+def _to_fp8(x_over_s: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
     # The cast rounds to nearest even; whether it saturates differs by torch version and device,
-    # so saturate explicitly (clamp keeps NaN as NaN).
-    return torch.clamp(x_over_s, -FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    # so saturate explicitly (clamp keeps NaN as NaN). Under the top ue8m0 scale, saturate at 240 so
+    # that q * scale stays finite (only ue8m0 can produce that scale; fp32 scales are all below it).
+    if scale is None:
+        return torch.clamp(x_over_s, -FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    limit = torch.where(scale == _UE8M0_TOP, _UE8M0_TOP_MAX, FP8_MAX)
+    return torch.clamp(x_over_s, -limit, limit).to(FP8_DTYPE)
+
+
+def _check_size(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer (e.g. 128); got {value!r}.")
 
 
 def _pad_last(x: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -74,13 +89,14 @@ def quantize_fp8_groups(
     """
     check_choice("x dtype", x.dtype, FLOAT_DTYPES)
     check_choice("scale_format", scale_format, SCALE_FORMATS)
-    if x.dim() < 1 or group <= 0:
-        raise ValueError(f"x needs at least one dim and group must be positive; got shape {tuple(x.shape)}, group={group}.")
+    _check_size("group", group)
+    if x.dim() < 1:
+        raise ValueError(f"x needs at least one dim; got shape {tuple(x.shape)}.")
     k = x.shape[-1]
     xf = _pad_last(x.float(), group)
     xg = xf.unflatten(-1, (-1, group))  # (..., G, group)
     scale = fp8_scale_from_amax(xg.abs().amax(dim=-1), scale_format)  # (..., G)
-    q = _to_fp8(xg / scale.unsqueeze(-1)).flatten(-2)[..., :k]
+    q = _to_fp8(xg / scale.unsqueeze(-1), scale.unsqueeze(-1)).flatten(-2)[..., :k]
     return q, scale
 
 
@@ -88,6 +104,7 @@ def dequantize_fp8_groups(
     q: torch.Tensor, scale: torch.Tensor, group: int = 128, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     """Inverse of :func:`quantize_fp8_groups` (up to the quantization error)."""
+    _check_size("group", group)
     k = q.shape[-1]
     expected = (*q.shape[:-1], math.ceil(k / group))
     if tuple(scale.shape) != expected:
@@ -107,13 +124,14 @@ def quantize_fp8_blocks(
     """
     check_choice("weight dtype", w.dtype, FLOAT_DTYPES)
     check_choice("scale_format", scale_format, SCALE_FORMATS)
+    _check_size("block", block)
     if w.dim() != 2:
         raise ValueError(f"weight must be 2-D [out_features, in_features]; got shape {tuple(w.shape)}.")
     n, k = w.shape
     wf = _pad_last(_pad_last(w.float(), block).t(), block).t()  # (N', K')
     tiles = wf.unflatten(0, (-1, block)).unflatten(2, (-1, block))  # (Nb, block, Kb, block)
     scale_inv = fp8_scale_from_amax(tiles.abs().amax(dim=(1, 3)), scale_format)  # (Nb, Kb)
-    q = _to_fp8(tiles / scale_inv[:, None, :, None]).flatten(2).flatten(0, 1)[:n, :k]
+    q = _to_fp8(tiles / scale_inv[:, None, :, None], scale_inv[:, None, :, None]).flatten(2).flatten(0, 1)[:n, :k]
     return q, scale_inv
 
 
@@ -121,6 +139,7 @@ def dequantize_fp8_blocks(
     q: torch.Tensor, scale_inv: torch.Tensor, block: int = 128, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     """Inverse of :func:`quantize_fp8_blocks` (up to the quantization error)."""
+    _check_size("block", block)
     if q.dim() != 2:
         raise ValueError(f"q must be 2-D; got shape {tuple(q.shape)}.")
     n, k = q.shape

@@ -123,6 +123,34 @@ def test_ue8m0_rounds_scale_up_to_power_of_two():
     assert sg.item() == 1.0 and q.float()[0].tolist() == [288.0, 1.5]  # 300 -> 288 (step 32, nearest)
 
 
+@pytest.mark.parametrize("scale_format", ["fp32", "ue8m0"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_huge_finite_inputs_saturate_and_never_dequantize_to_inf(scale_format, dtype):
+    # Under ue8m0 an amax >= 3.3e38 gets scale 2^120, where 248 would round to q = 256 and 256 * 2^120 = inf;
+    # q saturates at 240 there (240 * 2^120 ~ 3.19e38, the largest finite ue8m0 value) and NaN/Inf still propagate.
+    top = torch.finfo(dtype).max
+    x = torch.tensor([[top, -top, 3.3e38, 1.0]], dtype=dtype)
+    q, s = quantize_fp8_groups(x, scale_format=scale_format)
+    deq = dequantize_fp8_groups(q, s)
+    assert torch.isfinite(deq).all(), deq
+    if scale_format == "ue8m0":
+        assert s.item() == 2.0**120 and q.float()[0, :3].tolist() == [240.0, -240.0, 240.0]
+        assert deq[0, 0].item() == 240 * 2.0**120
+    else:
+        assert deq[0, 0].item() == pytest.approx(top, rel=1e-6)
+    qw, sw = quantize_fp8_blocks(x, scale_format=scale_format)
+    assert torch.isfinite(dequantize_fp8_blocks(qw, sw)).all()
+    assert torch.equal(qw, q) and torch.equal(sw, s)  # one block == one group here
+    special = torch.tensor([[top, float("inf")], [top, float("nan")]], dtype=dtype)
+    assert not torch.isfinite(dequantize_fp8_groups(*quantize_fp8_groups(special, scale_format=scale_format))).any()
+
+
+def test_below_the_top_ue8m0_scale_448_is_kept():
+    x = torch.tensor([[448.0 * 2.0**119]])  # scale exactly 2^119: q = 448 is finite there
+    q, s = quantize_fp8_groups(x, scale_format="ue8m0")
+    assert s.item() == 2.0**119 and q.float().item() == 448.0
+
+
 def test_round_trip_error_is_small():
     torch.manual_seed(1)
     x = torch.randn(17, 300)
@@ -151,6 +179,16 @@ def test_bad_input_raises_value_error():
         quantize_fp8_blocks(torch.ones(4))
     with pytest.raises(ValueError, match="fp32, ue8m0"):
         quantize_fp8_groups(torch.ones(2, 4), scale_format="e5m2")
+    for bad in (1.5, 0, -128, True, "128"):
+        with pytest.raises(ValueError) as err:
+            quantize_fp8_groups(torch.ones(2, 4), bad)
+        assert str(err.value) == f"group must be a positive integer (e.g. 128); got {bad!r}."
+    with pytest.raises(ValueError, match="^block must be a positive integer"):
+        quantize_fp8_blocks(torch.ones(4, 4), 1.5)
+    with pytest.raises(ValueError, match="^group must be a positive integer"):
+        dequantize_fp8_groups(*quantize_fp8_groups(torch.ones(2, 4)), group=1.5)
+    with pytest.raises(ValueError, match="^block must be a positive integer"):
+        dequantize_fp8_blocks(*quantize_fp8_blocks(torch.ones(4, 4)), block=2.5)
     q, s = quantize_fp8_groups(torch.ones(2, 200))
     with pytest.raises(ValueError, match="expected"):
         dequantize_fp8_groups(q, s[:, :1])

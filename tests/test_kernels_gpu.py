@@ -54,6 +54,31 @@ def test_act_quant_bit_exact(shape, dtype, scale_format):
     assert_bits_equal(q, rq, "q")
 
 
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+def test_ue8m0_saturates_huge_finite_inputs_like_the_reference(dtype):
+    """amax near the float32 maximum gets the top ue8m0 scale 2^120, where q saturates at 240 (quant/fp8.py)."""
+    from jetrl_trainer.kernels import act_quant_fp8, requant_transpose_fp8, weight_quant_fp8
+
+    top = torch.finfo(dtype).max
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = ((torch.rand(256, 384, device="cuda", generator=g) * 2 - 1) * top).to(dtype)
+    x[:, 0], x[:, 1] = top, -top
+    x[:, 128:256] *= 1e-3  # a group below the top scale, for contrast
+    q, s = act_quant_fp8(x, scale_format="ue8m0")
+    rq, rs = quantize_fp8_groups(x, 128, scale_format="ue8m0")
+    assert_bits_equal(s, rs, "scale")
+    assert_bits_equal(q, rq, "q")
+    assert (s == 2.0**120).any() and torch.isfinite(dequantize_fp8_groups(q, s)).all()
+    qw, sw = weight_quant_fp8(x, scale_format="ue8m0")
+    rqw, rsw = quantize_fp8_blocks(x, 128, scale_format="ue8m0")
+    assert_bits_equal(sw, rsw, "scale_inv")
+    assert_bits_equal(qw, rqw, "q")
+    qt, st = requant_transpose_fp8(q, s, scale_format="ue8m0")
+    rqt, rst = quantize_fp8_groups(dequantize_fp8_groups(q, s).t().contiguous(), 128, scale_format="ue8m0")
+    assert_bits_equal(st, rst, "st")
+    assert_bits_equal(qt, rqt, "qt")
+
+
 @pytest.mark.parametrize("layout", ("transposed", "row_slice"))
 def test_act_quant_strided_input(layout):
     from jetrl_trainer.kernels import act_quant_fp8
