@@ -14,7 +14,8 @@ What stays BF16 (plain ``nn.Linear``):
 * modules matched by ``keep_modules``: a glob (``fnmatch``) matches a Linear when it matches the
   dotted path of any run of consecutive name components (``"shared_expert"``,
   ``"mlp.shared_expert"``, ``"model.layers.0.*"``); a pattern starting with ``re:`` is a regular
-  expression searched in the full name;
+  expression searched in the full name. A pattern that matches no Linear is refused with the
+  closest names (a typo would otherwise quantize what it meant to keep);
 * modules for which ``module_filter_fn(module, fqn)`` returns False (it can only exclude more).
 
 Names are matched after removing peft's ``base_model.model.`` prefix and ``base_layer``
@@ -28,6 +29,7 @@ latest arguments (recipes updated; layers now excluded turn back into ``nn.Linea
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import logging
 import re
@@ -79,11 +81,13 @@ def quantize_model(
         raise ValueError(f"quantize_model expects an nn.Module; got {type(model).__name__}.")
     recipes = phase_recipes(train, rollout, scale_format=scale_format, nvfp4_backward=nvfp4_backward)
     patterns = _check_patterns(keep_modules)
+    slots = list(_linear_slots(model))
+    _check_patterns_match(model, patterns, [_logical_name(fqn) for *_, fqn in slots])
     kept_layers = _last_layer_prefixes(model, keep_last_n_layers)
     heads = _output_head_ids(model)
     converted = kept = 0
     swapped: dict[int, nn.Module] = {}  # a Linear shared under two names stays shared
-    for parent, attr, linear, fqn in list(_linear_slots(model)):
+    for parent, attr, linear, fqn in slots:
         if id(linear) in swapped:
             setattr(parent, attr, swapped[id(linear)])
             continue
@@ -214,6 +218,26 @@ def _check_patterns(keep_modules: Union[str, Iterable[str]]) -> tuple[str, ...]:
             except re.error as exc:
                 raise ValueError(f"keep_modules pattern {p!r} is not a valid regular expression: {exc}.") from exc
     return patterns
+
+
+def _check_patterns_match(model: nn.Module, patterns: tuple[str, ...], names: list[str]) -> None:
+    """Refuse a pattern that keeps no Linear of ``model``, naming the closest module names."""
+    for p in patterns:
+        if any(_matches_any(name, (p,)) for name in names):
+            continue
+        pattern = p.removeprefix("re:")
+        width = pattern.count(".") + 1  # compare with runs of as many name components
+        runs = {
+            ".".join(parts[i : i + width])
+            for parts in (name.split(".") for name in names)
+            for i in range(len(parts) - width + 1)
+        }
+        close = difflib.get_close_matches(pattern, sorted(runs), n=4, cutoff=0.6)
+        hint = f"close names: {', '.join(close)}" if close else f"Linear names look like {names[0]!r}" if names else ""
+        raise ValueError(
+            f"keep_modules (keep_bf16_modules) pattern {p!r} matches no Linear layer of {type(model).__name__}"
+            + (f"; {hint}." if hint else "; it has none.")
+        )
 
 
 def _matches_any(name: str, patterns: tuple[str, ...]) -> bool:

@@ -143,6 +143,27 @@ def test_keep_modules(patterns, kept_per_layer, only_layer):
     assert len(_quant_names(model)) == expected
 
 
+@pytest.mark.parametrize(
+    "pattern, message",
+    [
+        ("q_projj", "keep_modules (keep_bf16_modules) pattern 'q_projj' matches no Linear layer of "
+                    "Qwen3ForCausalLM; close names: q_proj, v_proj, o_proj, k_proj."),
+        ("model.layer.0.*", "keep_modules (keep_bf16_modules) pattern 'model.layer.0.*' matches no Linear layer of "
+                            "Qwen3ForCausalLM; close names: model.layers.0.mlp, model.layers.2.mlp, "
+                            "model.layers.1.mlp, model.layers.0.self_attn."),
+        ("re:shared_expert", "keep_modules (keep_bf16_modules) pattern 're:shared_expert' matches no Linear layer of "
+                             "Qwen3ForCausalLM; Linear names look like 'model.layers.0.self_attn.q_proj'."),
+    ],
+)
+def test_a_keep_pattern_that_matches_nothing_is_refused_with_close_names(pattern, message):
+    model = tiny_qwen3()
+    with pytest.raises(ValueError) as err:
+        quantize_model(model, keep_modules=["mlp", pattern])
+    assert str(err.value) == message
+    assert not _quant_names(model), "refused before anything was swapped"
+    quantize_model(model, keep_modules=["lm_head"])  # matches the head, which is kept anyway: accepted
+
+
 def test_module_filter_fn_can_exclude_more():
     seen = []
 
