@@ -51,6 +51,10 @@ _FIELD_TO_PARAM = {
     "ais_gamma": "gamma",
     "ais_beta": "beta",
 }
+# Fields that only a diffusion LM (LLaDA) reads; the trainer refuses them for autoregressive models.
+DIFFUSION_FIELDS: tuple[str, ...] = (
+    "diffusion_steps", "diffusion_block_length", "diffusion_remasking", "p_mask_prompt", "likelihood_estimator",
+)  # fmt: skip
 CORRECTOR_PARAMS: dict[str, tuple[str, ...]] = {
     "none": (),
     "is": ("corrector_level",),
@@ -140,6 +144,11 @@ class JetGRPOConfig(GRPOConfig):
         likelihood_estimator (`str`, *optional*, defaults to `"mean_field"`):
             Diffusion LMs only: the registered per-token likelihood estimator
             (`jetrl_trainer.diffusion.register_estimator`).
+        max_nonfinite_reward_batches (`int`, *optional*, defaults to `3`):
+            A NaN or ±inf reward is treated as missing (like `None`: left out of the group baseline; a
+            completion with no reward left gets advantage 0) and counted in `rewards/nonfinite`. Training
+            stops with an error after this many consecutive generation batches that held one. `None`
+            never stops.
 
     > [!NOTE]
     > `bf16` / `fp16` (inherited from `TrainingArguments`) switch the Trainer's autocast mixed
@@ -294,6 +303,13 @@ class JetGRPOConfig(GRPOConfig):
         default="mean_field",
         metadata={"help": "Diffusion LMs only: registered per-token likelihood estimator (default 'mean_field')."},
     )
+    max_nonfinite_reward_batches: int | None = field(
+        default=3,
+        metadata={
+            "help": "NaN/inf rewards count as missing (like None) and are logged as rewards/nonfinite; training "
+            "stops after this many consecutive generation batches that held one. None never stops."
+        },
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -319,9 +335,15 @@ class JetGRPOConfig(GRPOConfig):
                 "sampling log-probs are recorded. Set use_vllm=False (optionally "
                 "use_transformers_continuous_batching=True)."
             )
+        if self.corrector is None:  # corrector=None from Python reads as "no corrector"
+            self.corrector = "none"
         if isinstance(self.corrector, str):
             self.corrector = self.corrector.strip().lower()
         self._check_corrector()
+        self._check_sampling()
+        limit = self.max_nonfinite_reward_batches
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+            raise ValueError(f"max_nonfinite_reward_batches must be a positive integer, or None to never stop; got {limit!r}.")
 
     # ------------------------------------------------------------------ corrector
 
@@ -403,6 +425,35 @@ class JetGRPOConfig(GRPOConfig):
                 f"use_transformers_continuous_batching=True contradicts rollout_backend={self.rollout_backend!r}; "
                 "set rollout_backend='continuous' (or 'auto') and leave the flag, or unset the flag."
             )
+
+    # ------------------------------------------------------------------ sampling
+
+    def _check_sampling(self) -> None:
+        """Refuse, before any model loads, sampling settings that the rollouts or the loss cannot honour."""
+        from transformers import GenerationConfig
+
+        from jetrl_trainer.rollout import split_sampling_config
+
+        kwargs = dict(self.generation_kwargs or {})
+        for name, value in (("temperature", self.temperature), ("generation_kwargs['temperature']", kwargs.get("temperature"))):
+            if value is not None and not value > 0:
+                raise ValueError(
+                    f"{name} must be > 0; got {value!r}.\nGRPO samples several completions per prompt and the loss "
+                    "divides the logits by the temperature, so greedy rollouts cannot train; use a small temperature "
+                    "(e.g. 0.1) for near-greedy sampling."
+                )
+        if kwargs.get("do_sample", True) is False:
+            raise ValueError(
+                "generation_kwargs do_sample=False is not supported: greedy rollouts give every completion of a "
+                "prompt the same tokens, hence the same reward and a zero advantage; remove it (GRPO samples)."
+            )
+        sampling = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p)
+        # Only the warper checks matter here; beam search is scored by a forward pass, not recorded.
+        config = GenerationConfig(**{**sampling, **kwargs, "do_sample": True, "num_beams": 1})
+        try:
+            split_sampling_config(config)
+        except ValueError as err:
+            raise ValueError(f"generation_kwargs: {err}") from err
 
     # ------------------------------------------------------------------ diffusion LMs
 

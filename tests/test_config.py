@@ -92,6 +92,42 @@ def test_bad_configs_name_the_fix(kwargs, fragment):
     assert fragment in str(err.value)
 
 
+@pytest.mark.parametrize(
+    "kwargs, first_line",
+    [
+        (dict(temperature=0.0), "temperature must be > 0; got 0.0."),
+        (dict(generation_kwargs={"temperature": 0}), "generation_kwargs['temperature'] must be > 0; got 0."),
+        (dict(generation_kwargs={"do_sample": False}),
+         "generation_kwargs do_sample=False is not supported: greedy rollouts give every completion of a prompt the "
+         "same tokens, hence the same reward and a zero advantage; remove it (GRPO samples)."),
+        (dict(generation_kwargs={"typical_p": 0.9}),
+         "generation_kwargs: generation_config.typical_p=0.9 is not supported with recorded sampling log-probs; only "
+         "temperature, top_k, top_p and min_p are. Unset it (generation_kwargs)."),
+        (dict(generation_kwargs='{"epsilon_cutoff": 0.001}'), "generation_kwargs: generation_config.epsilon_cutoff=0.001"),
+        (dict(max_nonfinite_reward_batches=0),
+         "max_nonfinite_reward_batches must be a positive integer, or None to never stop; got 0."),
+    ],
+)
+def test_sampling_settings_the_rollouts_cannot_honour_are_refused_before_any_model_loads(kwargs, first_line):
+    with pytest.raises(ValueError) as err:
+        make(**kwargs)
+    assert str(err.value).splitlines()[0].startswith(first_line), str(err.value)
+
+
+def test_supported_generation_kwargs_and_a_small_temperature_pass():
+    cfg = make(temperature=0.1, generation_kwargs={"num_beams": 2, "min_p": 0.05, "repetition_penalty": 1.1})
+    assert cfg.generation_kwargs["num_beams"] == 2 and cfg.max_nonfinite_reward_batches == 3
+    assert make(max_nonfinite_reward_batches=None).max_nonfinite_reward_batches is None
+
+
+def test_corrector_none_means_no_corrector_and_the_card_says_so():
+    from jetrl_trainer.hub import jetrl_card_metadata
+
+    cfg = make(corrector=None)
+    assert cfg.corrector == "none" and not cfg.corrector_active
+    assert jetrl_card_metadata(cfg)["corrector"] == "none"  # before: "NoneType"
+
+
 def test_every_precision_pair_is_accepted():
     for train in PRECISIONS:
         for rollout in PRECISIONS:
