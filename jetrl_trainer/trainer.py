@@ -27,7 +27,11 @@ How this departs from TRL 1.16's `GRPOTrainer`:
 * ``mismatch/*`` and ``corrector/*`` are logged every generation, exact across processes
   (additive sums all-reduced, then turned into metrics);
 * an optimizer step with a non-finite loss or gradient is skipped (``jetrl/skipped_steps``);
-* saved checkpoints hold the master weights under their usual names; the card says how.
+* saved checkpoints hold the master weights under their usual names; the card says how. Each
+  ``checkpoint-N`` is written into a staging folder and renamed into place once complete, and a
+  resume skips incomplete ones (`jetrl_trainer.checkpoint`);
+* bad input is refused at construction (`jetrl_trainer._inputs`), and reward outputs are checked
+  where TRL computes them: wrong types raise, NaN/inf count as missing (`jetrl_trainer._rewards`).
 
 The overrides of TRL's private methods form one thin layer (``_generate_single_turn``,
 ``_generate_and_score_completions``, ``_get_per_token_logps_and_entropies``, ``_compute_loss``);
@@ -50,6 +54,9 @@ import jetrl_trainer.diffusion  # noqa: F401  (registers model_type "llada", so 
 from jetrl_trainer._composition import build_policy_scorer, build_rollout_backend, logger
 from jetrl_trainer._dist import all_reduce_sums, any_across_processes
 from jetrl_trainer._guard import NonFiniteGuard
+from jetrl_trainer._inputs import check_datasets, check_diffusion_fields
+from jetrl_trainer._rewards import RewardChecks
+from jetrl_trainer.checkpoint import StagedCheckpoint, checkpoint_state, resolve_resume, rotate_checkpoints
 from jetrl_trainer.config import JetGRPOConfig
 from jetrl_trainer.correctors import get_corrector, merge_sums, metrics_from_sums
 from jetrl_trainer.diffusion import is_diffusion_model
@@ -74,8 +81,9 @@ class JetGRPOTrainer(GRPOTrainer):
     diffusion backend and scorer (docs/llada.md).
 
     Overrides ``__init__``, ``_generate_single_turn``, ``_generate_and_score_completions``,
-    ``_get_per_token_logps_and_entropies``, ``_compute_loss``, ``training_step``,
-    ``create_optimizer``, ``log``, ``_save`` and ``create_model_card``; everything else is inherited.
+    ``_get_per_token_logps_and_entropies``, ``_compute_loss``, ``_calculate_rewards``, ``train``,
+    ``training_step``, ``create_optimizer``, ``log``, ``_get_output_dir``, ``_save_checkpoint``,
+    ``_push_from_checkpoint``, ``_save`` and ``create_model_card``; everything else is inherited.
 
     Not supported: vLLM (refused by the config), multimodal prompts; tools and environments with a
     diffusion LM.
@@ -83,6 +91,8 @@ class JetGRPOTrainer(GRPOTrainer):
 
     _tag_names = ["trl", "grpo", "jetrl"]
     _name = "JetRL GRPO"
+    _staging_root: str | None = None  # set while _save_checkpoint runs (see _get_output_dir)
+    _pending_push: str | None = None
 
     def __init__(self, model: Any, reward_funcs: Any = None, args: JetGRPOConfig | None = None, **kwargs: Any):
         if args is None:
@@ -96,12 +106,16 @@ class JetGRPOTrainer(GRPOTrainer):
             kwargs["peft_config"] = resolve_lora_preset(kwargs["peft_config"])
         if not isinstance(model, str) and is_diffusion_model(model):  # before TRL's init applies LoRA
             _check_diffusion_kwargs(kwargs)
+        check_datasets(kwargs.get("train_dataset"), kwargs.get("eval_dataset"))
         super().__init__(model, reward_funcs, args=args, **kwargs)
         if self._is_vlm:
             raise ValueError("JetGRPOTrainer supports text-only models; multimodal processors are not supported.")
         diffusion = is_diffusion_model(self.accelerator.unwrap_model(self.model))
         if diffusion and isinstance(model, str):  # known only once TRL has loaded the id
             _check_diffusion_kwargs(kwargs)
+        check_diffusion_fields(args, self.accelerator.unwrap_model(self.model), diffusion=diffusion)
+        self._reward_checks = RewardChecks(args.max_nonfinite_reward_batches)
+        self.reward_funcs = self._reward_checks.wrap_all(self.reward_funcs, self.reward_func_names)
         params = args.corrector_params() if isinstance(args.corrector, str) else {}
         self.corrector = get_corrector(args.corrector, **params)
         self._quantize_models()
@@ -245,6 +259,13 @@ class JetGRPOTrainer(GRPOTrainer):
             return 0
         return (self._step // self.args.steps_per_generation) % self.num_iterations
 
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        mode = "train" if self.model.training else "eval"
+        nonfinite = self._reward_checks.end_batch(rewards_per_func, self.reward_funcs, training=mode == "train")
+        self._metrics[mode]["rewards/nonfinite"].append(nonfinite)
+        return rewards_per_func
+
     # ------------------------------------------------------------------ loss
 
     def _compute_loss(self, model, inputs):
@@ -282,6 +303,43 @@ class JetGRPOTrainer(GRPOTrainer):
         if mode == "train":
             logs[SKIPPED_STEPS_KEY] = float(self._guard.skipped_steps)
         super().log(logs, start_time)
+
+    # ------------------------------------------------------------------ checkpoints (jetrl_trainer/checkpoint.py)
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None):
+        if resume_from_checkpoint is not None and resume_from_checkpoint is not False:
+            resume_from_checkpoint = resolve_resume(resume_from_checkpoint, self.args.output_dir)  # a complete one
+        if resume_from_checkpoint is not None:
+            self._guard.skipped_steps = int(checkpoint_state(resume_from_checkpoint).get(SKIPPED_STEPS_KEY, 0))
+        return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
+
+    def _get_output_dir(self, trial) -> str:
+        # Where Trainer._save_checkpoint (and TRL's) put checkpoint-N: the staging folder while we save.
+        return self._staging_root or super()._get_output_dir(trial)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """TRL's checkpoint, written into a staging folder, then fsynced and renamed into place whole."""
+        run_dir = self._get_output_dir(trial)
+        stage = StagedCheckpoint(run_dir, self.state.global_step, main=self.args.should_save)
+        stage.prepare()
+        self.accelerator.wait_for_everyone()
+        with _attributes(self, _staging_root=stage.root, _pending_push=None):
+            super()._save_checkpoint(model, trial)  # its rotation sees only the staging folder: a no-op
+            push = self._pending_push
+        self.accelerator.wait_for_everyone()  # every process has written its files
+        stage.commit(self.state, {SKIPPED_STEPS_KEY: self._guard.skipped_steps})
+        if self.args.should_save:
+            keep = (stage.final, self.state.best_model_checkpoint)
+            rotate_checkpoints(run_dir, self.args.save_total_limit, keep=keep)
+        self.accelerator.wait_for_everyone()
+        if push is not None:
+            super()._push_from_checkpoint(stage.final)
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        if self._staging_root is not None:  # called inside _save_checkpoint: upload once the folder is in place
+            self._pending_push = checkpoint_folder
+            return
+        super()._push_from_checkpoint(checkpoint_folder)
 
     # ------------------------------------------------------------------ saving
 
