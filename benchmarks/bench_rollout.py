@@ -132,11 +132,49 @@ def run_case(model, batch: int, new: int, gbs: float, skip_hf: bool, variable: b
                    peak_gib=round(peak, 2))  # fmt: skip
         if not variable:
             row["floor_fraction"] = round(floor_fraction(model, precision == "fp8", batch, new, seconds, gbs), 3)
-        if backend == "engine" and precision == "fp8" and not variable:
+        if precision == "fp8" and not variable:  # same measure for both backends
             row["unified_mismatch_mean_abs"] = mismatch(model, ps, ids, lps)
         results.append(row)
         print(row, flush=True)
     return results
+
+
+def profile_step(model, batch: int, new: int) -> dict:
+    """Where a graphed decode step's time goes: replay alone, the sampler alone, and the host loop."""
+    from jetrl_trainer.rollout.engine.graphs import DecodeGraphs
+    from jetrl_trainer.rollout.engine.kv_cache import KVCache
+    from jetrl_trainer.rollout.engine.sampling import TokenSampler
+
+    from _common import bench_ms
+
+    out = {}
+    config = GenerationConfig(max_new_tokens=new, do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
+    for precision in ("bf16", "fp8"):
+        with torch.no_grad(), precision_phase("rollout" if precision == "fp8" else "train"):
+            engine = DecodeEngine(model)
+            v = engine.view
+            cache = KVCache(num_layers=len(v.layers), num_slots=batch + 1, max_len=PROMPT + new,
+                            num_kv_heads=v.num_kv_heads, head_dim=v.head_dim, dtype=v.dtype, device=v.device)
+            cache.lengths[:batch] = PROMPT + new // 2  # a mid-rollout live length
+            sampler = TokenSampler(config)
+            graphs = DecodeGraphs(engine, cache, sampler, max_rows=batch)
+            slots = torch.arange(batch, device="cuda")
+            tokens = torch.randint(0, 1000, (batch,), device="cuda")
+            seeds, steps = torch.zeros_like(tokens), torch.zeros_like(tokens)
+            graphs.step(slots, tokens, seeds, steps)  # capture
+            bucket = graphs.buckets[batch]
+            lengths = cache.lengths.clone()
+
+            def replay():
+                cache.lengths.copy_(lengths)
+                bucket.graph.replay()
+
+            logits = torch.randn(batch, model.config.vocab_size, device="cuda")
+            out[precision] = dict(
+                replay_ms=round(bench_ms(replay), 3),
+                sampler_ms=round(bench_ms(lambda: sampler.sample(logits, seeds, steps)), 3),
+            )
+    return out
 
 
 def main() -> None:
@@ -152,6 +190,8 @@ def main() -> None:
     for batch in map(int, args.batches.split(",")):
         rows += run_case(model, batch, args.new, gbs, args.skip_hf, variable=False)
     rows += run_case(model, int(args.batches.split(",")[0]), args.new, gbs, True, variable=True)
+    profile = {f"b{b}": profile_step(model, b, args.new) for b in map(int, args.batches.split(","))}
+    print("profile", profile, flush=True)
     by = {(r["case"], r["backend"], r["precision"], r["batch"]): r for r in rows}
     summary = {}
     for batch in map(int, args.batches.split(",")):
@@ -162,7 +202,7 @@ def main() -> None:
         if e16 and h16:
             summary[f"b{batch}_engine_bf16_over_hf_bf16"] = round(e16["tok_per_s"] / h16["tok_per_s"], 2)
     dump(dict(benchmark="rollout", env=environment(), copy_gbs=round(gbs, 1), layers=args.layers, rows=rows,
-              summary=summary))  # fmt: skip
+              summary=summary, step_profile=profile))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -35,7 +35,8 @@ def resolve_rollout_backend(requested: str, *, diffusion: bool, continuous_batch
         return "continuous", "use_transformers_continuous_batching=True"
     if requested == "hf":
         return "hf", "requested"
-    return "hf", "transformers generate, the reference backend (the engine is opt-in until its GPU path ships)"
+    return "hf", "transformers generate, the reference backend; the faster decode engine is opt-in " \
+                 "(rollout_backend='engine')"
 
 
 def build_rollout_backend(trainer: Any, *, diffusion: bool) -> tuple[RolloutBackend, Any]:

@@ -32,7 +32,6 @@ def decode_attention_split_kernel(
     heads = kvh * GROUPS + g
     g_ok = g < GROUPS
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=g_ok[:, None], other=0.0)
-    q = (q.to(tl.float32) * scale).to(q_ptr.dtype.element_ty)
     m_i = tl.full((G_PAD,), float("-inf"), tl.float32)
     l_i = tl.zeros((G_PAD,), tl.float32)
     acc = tl.zeros((G_PAD, D), tl.float32)
@@ -44,7 +43,7 @@ def decode_attention_split_kernel(
             t = t0 + tl.arange(0, BLOCK_N)
             t_ok = t < end
             k = tl.load(k_base + t[:, None] * stride_kt + d[None, :], mask=t_ok[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # (G_PAD, BLOCK_N), FP32 accumulate
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (G_PAD, BLOCK_N), FP32; scaled after
             s = tl.where(t_ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp(m_i - m_new)

@@ -80,8 +80,8 @@ def test_trainer_logs_its_choice_once(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="jetrl_trainer"):
         trainer = make_trainer(tmp_path)
     choices = [r.getMessage() for r in caplog.records if "rollout backend" in r.getMessage()]
-    assert choices == ["jetrl: rollout backend 'hf' (transformers generate, the reference backend (the engine is "
-                       "opt-in until its GPU path ships))"]  # fmt: skip
+    assert choices == ["jetrl: rollout backend 'hf' (transformers generate, the reference backend; the faster "
+                       "decode engine is opt-in (rollout_backend='engine'))"]  # fmt: skip
     assert isinstance(trainer.rollout_backend, HFGenerateBackend)
     cb = make_trainer(tmp_path, rollout_backend="continuous")
     assert isinstance(cb.rollout_backend, ContinuousBatchingBackend)

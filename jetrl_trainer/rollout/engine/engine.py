@@ -88,12 +88,14 @@ class DecodeEngine:
         pending, running, free = deque(seqs), {}, list(range(slots - 1, -1, -1))
         budget = [min(config.max_new_tokens, b) for b in row_budgets] if row_budgets else [config.max_new_tokens] * len(seqs)
 
-        def step_inputs(batch: list[tuple[int, _Sequence]]) -> tuple[Tensor, Tensor]:
-            seeds = torch.tensor([row_seed[s.index] for _, s in batch], device=v.device)
-            return seeds, torch.tensor([len(s.tokens) for _, s in batch], device=v.device)
+        def step_inputs(batch: list[tuple[int, _Sequence]]) -> Tensor:
+            """(4, B) slots, last tokens, row seeds, steps: one host-to-device copy per step."""
+            rows = [(slot, s.tokens[-1] if s.tokens else 0, row_seed[s.index], len(s.tokens)) for slot, s in batch]
+            return torch.tensor(rows, dtype=torch.long).t().to(v.device, non_blocking=True)
 
         def record(batch: list[tuple[int, _Sequence]], tokens: Tensor, logps: Tensor) -> None:
-            for (slot, s), t, lp in zip(batch, tokens.tolist(), logps.tolist()):
+            both = torch.stack([tokens.to(torch.float64), logps.to(torch.float64)]).cpu()  # one sync
+            for (slot, s), t, lp in zip(batch, both[0].long().tolist(), both[1].tolist()):
                 s.tokens.append(t)
                 s.logprobs.append(lp)
                 if t in eos or len(s.tokens) == budget[s.index]:
@@ -112,16 +114,14 @@ class DecodeEngine:
                 started.append((slot, s))
             if started:  # first token from the prefill logits of each one's prompt
                 logits = first_logits[torch.tensor([s.prompt for _, s in started], device=v.device)]
-                record(started, *sampler.sample(logits, *step_inputs(started)))
+                record(started, *sampler.sample(logits, *step_inputs(started)[2:]))
             if running:
                 batch = sorted(running.items())
-                slots_t = torch.tensor([slot for slot, _ in batch], device=v.device)
-                last = torch.tensor([s.tokens[-1] for _, s in batch], device=v.device)
+                slots_t, last, seeds, steps = step_inputs(batch)
                 if graphs is not None:
-                    record(batch, *graphs.step(slots_t, last, *step_inputs(batch)))
+                    record(batch, *graphs.step(slots_t, last, seeds, steps))
                 else:
-                    logits = self.decode_step(cache, slots_t, last)
-                    record(batch, *sampler.sample(logits, *step_inputs(batch)))
+                    record(batch, *sampler.sample(self.decode_step(cache, slots_t, last), seeds, steps))
         return [s.tokens for s in seqs], [s.logprobs for s in seqs]
 
     def prefill(self, prompts: list[tuple[int, ...]], pad_token_id: int) -> tuple[list[Tensor], list[Tensor], Tensor]:

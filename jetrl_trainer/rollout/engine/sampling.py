@@ -4,10 +4,12 @@
   `SampledLogprobRecorder` sees them under ``generate`` (temperature, top-k, top-p, min-p:
   `sampling_warpers`), so a recorded log-prob means the same in both backends: ``log p`` of the
   sampled token under ``softmax(warped scores)``, the distribution it was drawn from.
-* **Noise.** Gumbel-max over that distribution, ``argmax(log p + g)``, with ``g`` computed from a
-  counter-based hash of (row seed, step, vocabulary index) (`jetrl_trainer._hashing`), not a
-  stateful generator: a row's tokens depend on its seed alone, whatever else is in the batch and
-  in whichever slot it runs. Tokens the warpers removed have ``log p = -inf`` and are never drawn.
+* **Noise.** Inverse-CDF sampling: one uniform per row and step, from a counter-based hash of
+  (row seed, step) (`jetrl_trainer._hashing`), not a stateful generator, so a row's tokens depend
+  on its seed alone, whatever else is in the batch and in whichever slot it runs. The token is the
+  first whose FP64 cumulative probability exceeds it; tokens the warpers removed have probability
+  0, a zero-width step that is never drawn. One uniform per row (not one per vocabulary entry, as
+  Gumbel-max needs) keeps the sampler's cost at a few passes over the ``(B, V)`` scores.
 * **Greedy** (``do_sample=False``): the argmax of the raw scores, as ``generate``; its recorded
   log-prob is that of the token under the (unwarped) softmax.
 """
@@ -59,11 +61,10 @@ def unsupported_generation_reason(config: GenerationConfig) -> str | None:
     return None
 
 
-def _uniform(row_seeds: Tensor, steps: Tensor, vocab_size: int) -> Tensor:
-    """``(B, V)`` uniforms in (0, 1) from hashed row seeds ``(B,)`` and per-row step counters ``(B,)``."""
-    index = torch.arange(vocab_size, device=row_seeds.device, dtype=torch.int64)
-    bits = mix32(mix32(row_seeds[:, None] ^ (steps[:, None] & M32)) ^ index[None, :])
-    return ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # 24 bits: exact in FP32, never 0 or 1
+def _uniform(row_seeds: Tensor, steps: Tensor) -> Tensor:
+    """One uniform in (0, 1) per row ``(B,)``, float64, from hashed row seeds and per-row step counters."""
+    bits = mix32(mix32(row_seeds ^ (steps & M32)) ^ 0x9E3779B9)
+    return (bits.to(torch.float64) + 0.5) * (1.0 / (1 << 32))
 
 
 class TokenSampler:
@@ -82,8 +83,9 @@ class TokenSampler:
             return tokens, torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
         scores = self.warpers(tokens_placeholder(logits), logits)  # these warpers ignore input_ids
         logp = torch.log_softmax(scores, dim=-1)
-        gumbel = -torch.log(-torch.log(_uniform(row_seeds, steps, logits.shape[-1])))
-        tokens = (logp + gumbel).argmax(dim=-1)
+        cdf = logp.exp().to(torch.float64).cumsum(dim=-1)  # (B, V); removed tokens add zero-width steps
+        u = _uniform(row_seeds, steps) * cdf[:, -1]
+        tokens = torch.searchsorted(cdf, u[:, None], right=True).squeeze(-1).clamp(max=logits.shape[-1] - 1)
         return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
 
