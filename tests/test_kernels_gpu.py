@@ -158,7 +158,11 @@ def test_rmsnorm_quant_bit_exact(shape, dtype, scale_format):
 
 
 def test_rmsnorm_reference_close_to_transformers():
-    """Not bit-exact by design (tree sum, sqrt+div instead of rsqrt): ≤ 1 BF16 ulp, mostly equal."""
+    """Not bit-exact by design (tree sum, sqrt+div instead of rsqrt): ≤ 2 BF16 ulps, mostly equal.
+
+    transformers rounds twice (the normalized value to BF16, then its product with the weight); we
+    round once, so where the two straddle a rounding boundary they sit up to 2 ulps apart.
+    """
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
     from jetrl_trainer.kernels import rmsnorm_quant_fp8
@@ -166,13 +170,14 @@ def test_rmsnorm_reference_close_to_transformers():
     norm = Qwen3RMSNorm(4096, eps=1e-6).to("cuda", torch.bfloat16)
     with torch.no_grad():
         norm.weight.normal_(1.0, 0.1)
-    x = (torch.randn(512, 4096, device="cuda") * 2).to(torch.bfloat16)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = (torch.randn(512, 4096, device="cuda", generator=g) * 2).to(torch.bfloat16)
     with torch.no_grad():
         expected = norm(x)
         y, _, _ = rmsnorm_quant_fp8(x, norm.weight, norm.variance_epsilon)
     diff = (y.float() - expected.float()).abs()
-    ulp = torch.maximum(y.float().abs(), expected.float().abs()) * 2.0**-7  # ≥ one BF16 ulp of the larger
-    assert bool((diff <= ulp).all()), f"max diff {diff.max().item()}"
+    ulp2 = torch.maximum(y.float().abs(), expected.float().abs()) * 2.0**-6  # ≥ two BF16 ulps of the larger
+    assert bool((diff <= ulp2).all()), f"max diff {diff.max().item()}"
     assert (diff == 0).float().mean().item() > 0.95, (diff == 0).float().mean().item()
 
 

@@ -28,7 +28,7 @@ def test_rmsnorm_reference_is_close_to_transformers():
         got = rmsnorm_reference(x, norm.weight, 1e-6)
     assert got.dtype == torch.bfloat16
     diff = (got.float() - expected.float()).abs()
-    assert bool((diff <= expected.float().abs() * 2.0**-7).all())  # ≤ 1 BF16 ulp
+    assert bool((diff <= expected.float().abs() * 2.0**-6).all())  # ≤ 2 BF16 ulps (transformers rounds twice)
     assert (diff == 0).float().mean().item() > 0.95
 
 
