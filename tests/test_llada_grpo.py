@@ -301,7 +301,7 @@ def test_autoregressive_models_get_the_autoregressive_backend_and_scorer(tmp_pat
     from jetrl_trainer.rollout import HFGenerateBackend
     from jetrl_trainer.scoring import AutoregressiveScorer
 
-    trainer = make_trainer(tmp_path, tiny_model())
+    trainer = make_trainer(tmp_path, tiny_model(), diffusion_steps=None)  # refused for an AR model (test_inputs.py)
     assert type(trainer) is JetGRPOTrainer
     assert isinstance(trainer.rollout_backend, HFGenerateBackend)
     assert isinstance(trainer.policy_scorer, AutoregressiveScorer) and not trainer.policy_scorer.sliced
