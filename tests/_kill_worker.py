@@ -7,7 +7,8 @@ point is first cut to half its size, as a kill in the middle of the write would 
 
 ``weights``, ``optimizer``, ``rng``, ``trainer_state``, ``manifest``: while that file is written;
 ``fsync``: after two files were fsynced; ``rename`` / ``renamed``: just before / after the staging
-folder is renamed into place; ``rotate``: in the middle of deleting an old checkpoint.
+folder is renamed into place; ``rotate``: in the middle of deleting an old checkpoint;
+``random:<seconds>``: that long after the save began, wherever the save then is.
 
 The test starts it through a ``forkserver`` that has imported torch, transformers, TRL and the
 trainer once (a fork takes milliseconds; a fresh interpreter would import them for seconds per kill).
@@ -20,6 +21,7 @@ import os
 import shutil
 import signal
 import sys
+import threading
 
 import torch
 import transformers.modeling_utils
@@ -124,6 +126,16 @@ def _install(point: str) -> None:
                 _die()
 
         os.rename = rename
+    elif point.startswith("random:"):
+        prepare = ckpt.StagedCheckpoint.prepare
+        timer = threading.Timer(float(point.split(":")[1]), _die)
+
+        def start_then_prepare(stage):
+            if not timer.is_alive():
+                timer.start()
+            prepare(stage)
+
+        ckpt.StagedCheckpoint.prepare = start_then_prepare
     elif point == "rotate":
         original_rmtree = shutil.rmtree
 

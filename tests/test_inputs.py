@@ -60,3 +60,12 @@ def test_diffusion_fields_on_an_autoregressive_model_are_refused(tmp_path, field
     with pytest.raises(ValueError) as err:
         _build(tmp_path, prompts(), **fields)
     assert _first_line(err) == first_line
+
+
+def test_a_keep_bf16_modules_typo_is_refused_at_construction(tmp_path):
+    with pytest.raises(ValueError) as err:
+        _build(tmp_path, prompts(), keep_bf16_modules=["q_projj"])
+    assert _first_line(err) == (
+        "keep_modules (keep_bf16_modules) pattern 'q_projj' matches no Linear layer of Qwen3ForCausalLM; close names: "
+        "q_proj, v_proj, o_proj, k_proj."
+    )
