@@ -33,11 +33,11 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from transformers import TrainerCallback
 from trl import TrlParser
 
 from jetrl_trainer import JetGRPOConfig, JetGRPOTrainer
+from jetrl_trainer.diffusion import diffusion_warm_start
 from jetrl_trainer.tasks import get_task
 
 TASKS = ("countdown", "sudoku", "arithmetic")
@@ -155,43 +155,6 @@ def load_model(script: LLaDAScriptArguments):
         raise SystemExit(f"{script.model_name_or_path} is a {model.config.model_type!r} model, not LLaDA; use "
                          "examples/train_gsm8k.py for autoregressive models.")  # fmt: skip
     return model, tok
-
-
-def diffusion_warm_start(model, tok, task, *, steps: int, gen_length: int, seed: int, batch_size: int = 32) -> float:
-    """LLaDA's SFT objective on the task's reference answers; returns the last loss.
-
-    The target is the sampler's canvas: answer, end of turn, then EOS up to ``gen_length``, so the
-    model learns to fill the rest of the canvas with EOS, as LLaDA-Instruct does.
-    """
-    from tqdm.auto import tqdm
-
-    data = task.make_dataset(512, seed=seed + 7)
-    prompts = tok.apply_chat_template(list(data["prompt"]), add_generation_prompt=True, tokenize=True,
-                                      return_dict=True)["input_ids"]  # fmt: skip
-    stop, eos = model.config.eos_token_id, tok.eos_token_id
-    answers = [tok(task.reference_answer(row), add_special_tokens=False)["input_ids"][: gen_length - 1] for row in data]
-    canvases = torch.tensor([a + [stop] + [eos] * (gen_length - 1 - len(a)) for a in answers])  # (N, gen_length)
-    g = torch.Generator().manual_seed(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
-    model.train()
-    loss = torch.tensor(0.0)
-    for _ in tqdm(range(steps), desc="masked-diffusion warm start"):
-        pick = torch.randint(len(answers), (batch_size,), generator=g)
-        batch = tok.pad({"input_ids": [prompts[i] for i in pick]}, return_tensors="pt")  # left padding
-        target = canvases[pick]
-        t = torch.rand(batch_size, 1, generator=g).clamp(min=0.05)  # masking rate per row
-        masked = torch.rand(target.shape, generator=g) < t
-        noisy = target.masked_fill(masked, model.config.mask_token_id)
-        ids = torch.cat([batch["input_ids"], noisy], dim=1)
-        attn = torch.cat([batch["attention_mask"], torch.ones_like(noisy)], dim=1)
-        logits = model(ids, attention_mask=attn, logits_to_keep=gen_length).logits.float()
-        ce = F.cross_entropy(logits.transpose(1, 2), target, reduction="none")  # (B, gen_length)
-        loss = ((ce * masked / t).sum(1) / gen_length).mean()
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-    model.eval()
-    return float(loss)
 
 
 # ---------------------------------------------------------------------------------- training

@@ -24,6 +24,9 @@ __all__ = [
     "ROLLOUT_BACKENDS",
     "UNRELEASED_ROLLOUT_BACKENDS",
     "SCALE_FORMATS",
+    "STUDY_STRATEGIES",
+    "STUDY_STRATEGIES_NVFP4",
+    "TINY_ARCHS",
     "check_choice",
 ]
 
@@ -37,6 +40,13 @@ REMASKINGS: tuple[str, ...] = ("low_confidence", "random")  # LLaDA sampler
 ROLLOUT_BACKENDS: tuple[str, ...] = ("auto", "hf", "continuous", "engine", "vllm", "diffusion")
 UNRELEASED_ROLLOUT_BACKENDS: tuple[str, ...] = ("vllm",)  # refused until it ships
 GRANULARITIES: tuple[str, ...] = ("block", "group")  # GEMM B scales: 128x128 blocks, or 1x128 groups
+# jetrl_trainer.study: "train_precision/rollout_precision[+corrector]". The papers' comparison, then
+# the optional NVFP4 pair (emulated on CPU and Hopper, so slow).
+STUDY_STRATEGIES: tuple[str, ...] = (
+    "bf16/bf16", "bf16/fp8", "bf16/fp8+is", "bf16/fp8+tis", "bf16/fp8+mis", "bf16/fp8+ais", "fp8/fp8", "fp8/fp8+ais",
+)  # fmt: skip
+STUDY_STRATEGIES_NVFP4: tuple[str, ...] = ("nvfp4/nvfp4", "bf16/nvfp4+ais")
+TINY_ARCHS: tuple[str, ...] = ("qwen3", "llama", "qwen2", "llada")  # the model builders of jetrl_trainer.tiny
 # Inputs the quantizers accept and outputs the GEMMs write.
 FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -61,7 +61,9 @@ def test_every_consumer_reads_the_one_definition():
 
 
 @pytest.mark.parametrize(
-    "name", ["PRECISIONS", "PHASES", "SCALE_FORMATS", "NVFP4_BACKWARDS", "NVFP4_OUTERS", "REMASKINGS", "GRANULARITIES"]
+    "name",
+    ["PRECISIONS", "PHASES", "SCALE_FORMATS", "NVFP4_BACKWARDS", "NVFP4_OUTERS", "REMASKINGS", "GRANULARITIES",
+     "STUDY_STRATEGIES", "STUDY_STRATEGIES_NVFP4", "TINY_ARCHS"],
 )
 def test_no_module_spells_out_its_own_copy(name):
     values = getattr(_choices, name)

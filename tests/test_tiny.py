@@ -30,17 +30,6 @@ def _offline(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
 
-@pytest.fixture
-def one_thread():
-    # Models this small gain nothing from a second thread, and OpenMP threads that spin on a
-    # shared, busy machine made the warm start 10x slower (docs/tasks.md). One thread keeps the
-    # test's time independent of what else runs.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 # ---------------------------------------------------------------- tokenizer
 
 

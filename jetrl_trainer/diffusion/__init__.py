@@ -29,6 +29,7 @@ from .rollout import DiffusionBackend, DiffusionSampling
 from .sampler import DenoiseStepInfo, generate
 from .scoring import DiffusionScorer
 from .tiny import build_tiny_llada, tiny_llada_config
+from .warm_start import diffusion_warm_start
 
 __all__ = [
     "LLaDAConfig",
@@ -52,6 +53,7 @@ __all__ = [
     "DiffusionScorer",
     "build_tiny_llada",
     "tiny_llada_config",
+    "diffusion_warm_start",
 ]
 
 

@@ -1,0 +1,163 @@
+"""Compare low-precision GRPO strategies on one task: the papers' comparison, on your model and machine.
+
+    python examples/compare_strategies.py --fast                      # smoke run: 2 strategies, 3 steps
+    python examples/compare_strategies.py --task countdown            # every strategy, 3 seeds (CPU, tiny model)
+    python examples/compare_strategies.py --task sudoku --stress      # longer completions, weaker warm start, T=1.3
+    python examples/compare_strategies.py --model tiny-llada --task countdown --max_completion_length 16
+    python examples/compare_strategies.py --model Qwen/Qwen3-0.6B-Base --dtype bfloat16 --warm_start_steps 0
+
+Strategies are ``train_precision/rollout_precision[+corrector]``: by default ``bf16/bf16``,
+``bf16/fp8`` with no corrector, ``is``, ``tis``, ``mis`` and ``ais``, and ``fp8/fp8`` with none and
+``ais`` (``--nvfp4`` adds ``nvfp4/nvfp4`` and ``bf16/nvfp4+ais``). Each runs once per seed, from the
+same warm-started weights and on the same prompts in the same order. ``--output_dir`` gets one
+``<strategy>/seed<k>/metrics.jsonl`` per run, ``study.md`` (the table) and ``study.png`` (the
+plots). Run it again with the same flags to resume: finished runs are skipped.
+
+``--model tiny-<arch>`` builds a tiny model locally (nothing is downloaded) and warm-starts it on
+the task; any other value is a checkpoint id or folder, used as it is. Every flag is also a YAML key
+(``--config study.yaml``). docs/study.md reports the CPU runs.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+
+# torch / transformers / jetrl_trainer are imported in main(), so that `--help` answers at once.
+
+# The full CPU preset fits every strategy x 3 seeds of one task in about 10 minutes on 2 cores
+# (docs/study.md). 300 warm-start steps: with fewer, countdown groups mostly earn equal rewards.
+FULL = dict(steps=40, prompts_per_step=4, num_generations=8, eval_prompts=64, warm_start_steps=300, seeds="0,1,2",
+            sft_examples=1024, temperature=1.0, learning_rate=2e-4)  # fmt: skip
+FAST = dict(steps=3, prompts_per_step=2, num_generations=4, eval_prompts=16, warm_start_steps=10, seeds="0",
+            sft_examples=128, strategies="bf16/fp8+ais,fp8/fp8")  # fmt: skip
+# The mismatch grows with the completion length, with the entropy of an undertrained policy, and
+# with the temperature: all three at once.
+STRESS = dict(max_completion_length=64, warm_start_steps=40, temperature=1.3)
+TINY_PREFIX = "tiny-"
+
+
+@dataclass
+class CompareArguments:
+    """Options of the strategy study (docs/study.md)."""
+
+    output_dir: str = field(default="runs/study", metadata={"help": "Folder of the runs, study.md and study.png."})
+    task: str = field(default="countdown", metadata={"help": "Built-in task: countdown, sudoku or arithmetic."})
+    model: str = field(
+        default="tiny-qwen3",
+        metadata={"help": "'tiny-<arch>' (a local tiny model, warm-started; arch in jetrl_trainer._choices.TINY_ARCHS) "
+                          "or a checkpoint id / folder (used as it is)."},
+    )  # fmt: skip
+    dtype: str = field(default="float32", metadata={"help": "Dtype of the model's master weights, e.g. bfloat16."})
+    strategies: str | None = field(
+        default=None,
+        metadata={"help": "Comma-separated 'train/rollout[+corrector]' names; unset = every strategy of "
+                          "jetrl_trainer._choices.STUDY_STRATEGIES."},
+    )  # fmt: skip
+    nvfp4: bool = field(default=False, metadata={"help": "Add nvfp4/nvfp4 and bf16/nvfp4+ais (emulated, slow)."})
+    seeds: str | None = field(default=None, metadata={"help": "Comma-separated seeds (preset: 0,1,2; --fast: 0)."})
+    steps: int | None = field(default=None, metadata={"help": "GRPO steps per run (preset: 40; --fast: 3)."})
+    prompts_per_step: int | None = field(default=None, metadata={"help": "Prompts per GRPO step (preset: 4)."})
+    num_generations: int | None = field(default=None, metadata={"help": "Completions per prompt (preset: 8)."})
+    max_completion_length: int | None = field(
+        default=None, metadata={"help": "Completion budget in tokens; unset = the task's (--stress: 64)."}
+    )
+    temperature: float | None = field(default=None, metadata={"help": "Rollout temperature (preset 1.0; --stress 1.3)."})
+    learning_rate: float | None = field(default=None, metadata={"help": "GRPO learning rate, AdamW, constant (preset 2e-4)."})
+    warm_start_steps: int | None = field(
+        default=None, metadata={"help": "SFT steps of a tiny model before GRPO (preset: 300; --stress: 40; --fast: 10)."}
+    )
+    eval_prompts: int | None = field(default=None, metadata={"help": "Held-out prompts, greedy (preset: 64)."})
+    eval_phase: str = field(
+        default="train",
+        metadata={"help": "Precision of the evaluation: 'train' (the learner) or 'rollout' (the sampler)."},
+    )
+    sft_examples: int | None = field(default=None, metadata={"help": "Problems in the warm-start pool (preset 1024)."})
+    difficulty: str | None = field(
+        default=None, metadata={"help": "The task's difficulty knobs as k=v pairs, e.g. 'holes=8' or 'max_count=4'."}
+    )
+    diffusion_steps: int | None = field(
+        default=None, metadata={"help": "LLaDA only: denoising steps per completion (unset = half its length)."}
+    )
+    num_threads: int | None = field(
+        default=None,
+        metadata={"help": "torch CPU threads; 1 is fastest for tiny models on a shared machine (idle threads spin)."},
+    )
+    fast: bool = field(default=False, metadata={"help": "Smoke run: tiny sizes, 3 steps, 2 strategies, 1 seed."})
+    stress: bool = field(
+        default=False,
+        metadata={"help": "Make the mismatch matter: 64-token completions, a 40-step warm start, temperature 1.3."},
+    )
+
+
+def parse(argv: list[str] | None = None) -> CompareArguments:
+    from trl import TrlParser  # light: torch stays unimported
+
+    (args,) = TrlParser((CompareArguments,)).parse_args_and_config(sys.argv[1:] if argv is None else argv)
+    preset = {**FULL, **(FAST if args.fast else {}), **(STRESS if args.stress else {})}
+    for name, value in preset.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return args
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(s) for s in text.split(",") if s.strip())
+
+
+def _difficulty(text: str | None) -> dict:
+    pairs = [p.split("=", 1) for p in (text or "").split(",") if p.strip()]
+    if any(len(p) != 2 for p in pairs):
+        raise SystemExit(f"--difficulty takes k=v pairs separated by commas, e.g. 'holes=8'; got {text!r}.")
+    return {k.strip(): int(v) if v.strip().lstrip("-").isdigit() else v.strip() for k, v in pairs}
+
+
+def build(args: CompareArguments):
+    """The `StudySpec` and model builder these arguments describe."""
+    from jetrl_trainer._choices import STUDY_STRATEGIES, STUDY_STRATEGIES_NVFP4
+    from jetrl_trainer.study import PretrainedModel, StudySpec, TinyModel
+
+    strategies = args.strategies.split(",") if args.strategies else list(STUDY_STRATEGIES)
+    strategies += list(STUDY_STRATEGIES_NVFP4) if args.nvfp4 else []
+    trainer_kwargs = {} if args.diffusion_steps is None else {"diffusion_steps": args.diffusion_steps}
+    spec = StudySpec(
+        task=args.task, strategies=tuple(strategies), seeds=_ints(args.seeds), steps=args.steps,
+        prompts_per_step=args.prompts_per_step, num_generations=args.num_generations,
+        max_completion_length=args.max_completion_length, temperature=args.temperature,
+        learning_rate=args.learning_rate, eval_prompts=args.eval_prompts, eval_phase=args.eval_phase,
+        sft_examples=args.sft_examples, difficulty=_difficulty(args.difficulty), trainer_kwargs=trainer_kwargs,
+    )  # fmt: skip
+    if args.model.startswith(TINY_PREFIX):
+        model = TinyModel(args.model.removeprefix(TINY_PREFIX), warm_start_steps=args.warm_start_steps,
+                          dtype=args.dtype)  # fmt: skip
+    else:
+        model = PretrainedModel(args.model, dtype=args.dtype)
+    return spec, model
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    import time
+
+    import torch
+
+    from jetrl_trainer.study import run_study
+
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    start = time.perf_counter()
+    try:
+        spec, model = build(args)
+        print(f"study: {spec.task}, {len(spec.strategies)} strategies x {len(spec.seeds)} seeds, {spec.steps} steps "
+              f"-> {args.output_dir}")  # fmt: skip
+        out = run_study(spec, model, args.output_dir)
+    except ValueError as err:  # bad names, or a folder holding runs of other settings
+        raise SystemExit(f"error: {err}") from None
+    print(out.table.read_text())
+    print(f"wrote {out.table} and {out.plot}; ran {len(out.ran)}, skipped {len(out.skipped)} finished; "
+          f"{time.perf_counter() - start:.0f}s")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""Where a study keeps its runs, and the atomic writes that make a finished run recognisable.
+
+Layout: ``<output_dir>/<strategy slug>/seed<k>/{metrics.jsonl, result.json}``. Both files are
+written to a temporary name and renamed into place once the run has finished; ``result.json``
+comes last and is the done-marker. A run killed halfway leaves neither, and is run again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+__all__ = ["read_run", "run_dir", "write_run"]
+
+METRICS, RESULT = "metrics.jsonl", "result.json"
+
+
+def run_dir(output_dir: str | os.PathLike, slug: str, seed: int) -> Path:
+    return Path(output_dir) / slug / f"seed{seed}"
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)  # atomic on POSIX: readers see the old file or the whole new one
+
+
+def write_run(folder: Path, rows: list[dict[str, float]], result: dict[str, Any]) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    _write_atomic(folder / METRICS, "".join(json.dumps(row) + "\n" for row in rows))
+    _write_atomic(folder / RESULT, json.dumps(result, indent=1) + "\n")
+
+
+def read_run(folder: Path) -> tuple[list[dict[str, float]], dict[str, Any]] | None:
+    """``(rows, result)`` of a finished run, or ``None`` when it is missing or incomplete."""
+    try:
+        result = json.loads((folder / RESULT).read_text())
+        rows = [json.loads(line) for line in (folder / METRICS).read_text().splitlines() if line.strip()]
+    except (OSError, ValueError):
+        return None
+    return (rows, result) if len(rows) == result.get("rows") else None

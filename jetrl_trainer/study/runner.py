@@ -1,0 +1,138 @@
+"""`run_study`: every strategy x seed of a `StudySpec`, then the table and the plot.
+
+Per seed, the model is built (and warm-started) once and deep-copied for each strategy, so all
+strategies of a seed start from the same weights, train on the same prompts in the same order (TRL
+shuffles with the run seed) and draw from the same RNG stream. Finished runs are skipped (see
+`_files`), so an interrupted study resumes where it stopped; a finished run made with other
+settings or another model is refused rather than mixed into the table.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ._files import read_run, run_dir, write_run
+from .data import StudyData, make_study_data
+from .models import ModelBuilder, PretrainedModel, describe_builder
+from .spec import StudySpec
+from .strategy import Strategy
+
+__all__ = ["StudyOutputs", "run_study"]
+
+
+@dataclass(frozen=True)
+class StudyOutputs:
+    table: Path  # study.md
+    plot: Path  # study.png
+    ran: tuple[str, ...]  # "<strategy> seed <k>" of the runs made by this call
+    skipped: tuple[str, ...]  # the ones found finished
+
+
+def run_study(
+    spec: StudySpec,
+    model: str | ModelBuilder,
+    output_dir: str | os.PathLike,
+    *,
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+) -> StudyOutputs:
+    """Run what is missing of ``spec`` into ``output_dir``; write ``study.md`` and ``study.png`` there.
+
+    ``model`` is a builder (`TinyModel`, `PretrainedModel` or your own callable) or a checkpoint id.
+    """
+    from jetrl_trainer.tasks import get_task
+
+    from .plot import plot_study
+    from .summary import load_runs, write_table
+
+    builder = PretrainedModel(model) if isinstance(model, str) else model
+    identity = {"settings": spec.run_settings(), "model": describe_builder(builder)}
+    identity = json.loads(json.dumps(identity))  # tuples -> lists, as read back from result.json
+    task, data = get_task(spec.task), make_study_data(spec)
+    ran, skipped = [], []
+    for seed in spec.seeds:
+        pending = [s for s in spec.strategy_objects if not _finished(output_dir, s, seed, identity)]
+        skipped += [f"{s.name} seed {seed}" for s in spec.strategy_objects if s not in pending]
+        if not pending:
+            continue
+        log(f"seed {seed}: building the model ({identity['model']['builder'].rsplit('.', 1)[-1]})")
+        base, tokenizer = builder(seed=seed, task=task, max_completion_length=spec.completion_length(),
+                                  sft_dataset=data.sft)  # fmt: skip
+        for strategy in pending:
+            _run_one(spec, strategy, seed, base, tokenizer, task, data, output_dir, identity, progress)
+            ran.append(f"{strategy.name} seed {seed}")
+        del base
+    if skipped:
+        log(f"skipped {len(skipped)} finished run(s): {', '.join(skipped)}")
+    runs = load_runs(output_dir, spec)
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    write_table(runs, out / "study.md", spec, identity["model"])
+    plot_study(runs, out / "study.png", spec)
+    return StudyOutputs(out / "study.md", out / "study.png", tuple(ran), tuple(skipped))
+
+
+def _finished(output_dir, strategy: Strategy, seed: int, identity: dict[str, Any]) -> bool:
+    folder = run_dir(output_dir, strategy.slug, seed)
+    found = read_run(folder)
+    if found is None:
+        return False
+    saved = {k: found[1].get(k) for k in identity}
+    if saved != identity:
+        changed = [k for k, v in identity["settings"].items() if (saved["settings"] or {}).get(k) != v]
+        what = f"settings ({', '.join(changed)})" if changed else "model"
+        raise ValueError(f"{folder} holds a finished run with another {what}; use another output_dir, or delete "
+                         "that folder to run it again.")  # fmt: skip
+    return True
+
+
+def _run_one(spec, strategy, seed, base, tokenizer, task, data: StudyData, output_dir, identity, progress) -> None:
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+    from jetrl_trainer import JetGRPOTrainer
+
+    from .evaluate import evaluate_policy
+    from .recorder import RolloutClock, RunRecorder
+
+    folder = run_dir(output_dir, strategy.slug, seed)
+    trainer = JetGRPOTrainer(copy.deepcopy(base), task.reward_fn, args=_config(spec, strategy, seed, folder),
+                             train_dataset=data.train, processing_class=tokenizer)  # fmt: skip
+    for cb in (PrinterCallback, ProgressCallback):  # our bar replaces the per-step dict dumps
+        trainer.remove_callback(cb)
+    recorder = RunRecorder(RolloutClock(trainer), total=spec.steps, desc=f"{spec.task} {strategy.name} seed {seed}",
+                           progress=progress)  # fmt: skip
+    trainer.add_callback(recorder)
+    before = evaluate_policy(trainer, task, data.eval, phase=spec.eval_phase)
+    start = time.perf_counter()
+    trainer.train()
+    seconds = time.perf_counter() - start
+    after = evaluate_policy(trainer, task, data.eval, phase=spec.eval_phase)
+    result = {"strategy": strategy.name, "seed": seed, **identity, "rows": len(recorder.rows),
+              "train_seconds": seconds, "eval_before": before, "eval_after": after}  # fmt: skip
+    write_run(folder, recorder.rows, result)
+    del trainer
+    gc.collect()
+
+
+def _config(spec: StudySpec, strategy: Strategy, seed: int, folder: Path):
+    import torch
+
+    from jetrl_trainer import JetGRPOConfig
+
+    fields = dict(
+        num_generations=spec.num_generations, per_device_train_batch_size=spec.prompts_per_step * spec.num_generations,
+        max_completion_length=spec.completion_length(), temperature=spec.temperature, max_steps=spec.steps,
+        learning_rate=spec.learning_rate, lr_scheduler_type="constant", beta=0.0, logging_steps=1,
+        save_strategy="no", report_to="none", use_cpu=not torch.cuda.is_available(), bf16=False,
+        gradient_checkpointing=False, disable_tqdm=True,
+    )  # fmt: skip
+    fields.update(spec.trainer_kwargs)
+    return JetGRPOConfig(output_dir=str(folder), seed=seed, **strategy.config_kwargs(), **fields)

@@ -1,0 +1,123 @@
+"""``study.md``: one row per strategy, every number computed from the runs' metrics and results.
+
+Per run: the final reward is the mean ``reward`` of the last ``spec.window`` steps; the mismatch is
+the mean over steps of ``mismatch/logp_abs_diff_mean`` and the max over steps of
+``mismatch/logp_abs_diff_max``; the times are the run's median seconds per step (a median, because
+the shared machines this runs on stall now and then). Per strategy: mean ± sample std over seeds
+for the rewards, the mean over seeds for times and mean mismatch, the max for the max mismatch.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ._files import read_run, run_dir
+from .spec import StudySpec
+
+__all__ = ["Run", "StrategyRow", "format_row", "load_runs", "summarize", "write_table"]
+
+DLOGP_MEAN, DLOGP_MAX = "mismatch/logp_abs_diff_mean", "mismatch/logp_abs_diff_max"
+
+
+@dataclass(frozen=True)
+class Run:
+    strategy: str
+    seed: int
+    rows: list[dict[str, float]]
+    result: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class StrategyRow:
+    strategy: str
+    seeds: int
+    final_reward: tuple[float, float]  # (mean, std) over seeds
+    eval_before: tuple[float, float]  # greedy accuracy on held-out prompts
+    eval_after: tuple[float, float]
+    eval_reward_after: tuple[float, float]  # mean reward of those greedy answers
+    dlogp_mean: float
+    dlogp_max: float
+    rollout_s: float  # per step
+    train_s: float
+
+
+def load_runs(output_dir, spec: StudySpec) -> list[Run]:
+    """The finished runs of ``spec``'s strategies and seeds found in ``output_dir``."""
+    runs = []
+    for strategy in spec.strategy_objects:
+        for seed in spec.seeds:
+            found = read_run(run_dir(output_dir, strategy.slug, seed))
+            if found is not None:
+                runs.append(Run(strategy.name, seed, *found))
+    return runs
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def _column(rows: list[dict[str, float]], key: str) -> list[float]:
+    return [r[key] for r in rows if key in r]
+
+
+def summarize(runs: list[Run], window: int) -> list[StrategyRow]:
+    """One row per strategy, in the order the strategies first appear in ``runs``."""
+    table = []
+    for name in dict.fromkeys(r.strategy for r in runs):
+        mine = [r for r in runs if r.strategy == name]
+        table.append(StrategyRow(
+            strategy=name,
+            seeds=len(mine),
+            final_reward=_mean_std([statistics.fmean(_column(r.rows, "reward")[-window:]) for r in mine]),
+            eval_before=_mean_std([r.result["eval_before"]["accuracy"] for r in mine]),
+            eval_after=_mean_std([r.result["eval_after"]["accuracy"] for r in mine]),
+            eval_reward_after=_mean_std([r.result["eval_after"]["reward"] for r in mine]),
+            dlogp_mean=statistics.fmean(statistics.fmean(_column(r.rows, DLOGP_MEAN) or [0.0]) for r in mine),
+            dlogp_max=max(max(_column(r.rows, DLOGP_MAX) or [0.0]) for r in mine),
+            rollout_s=statistics.fmean(statistics.median(_column(r.rows, "time/rollout_s")) for r in mine),
+            train_s=statistics.fmean(statistics.median(_column(r.rows, "time/train_s")) for r in mine),
+        ))  # fmt: skip
+    return table
+
+
+def _pm(pair: tuple[float, float]) -> str:
+    return f"{pair[0]:.3f} ± {pair[1]:.3f}"
+
+
+def format_row(row: StrategyRow) -> str:
+    cells = [f"`{row.strategy}`", str(row.seeds), _pm(row.final_reward), _pm(row.eval_before), _pm(row.eval_after),
+             _pm(row.eval_reward_after),
+             f"{row.dlogp_mean:.2e}", f"{row.dlogp_max:.2e}", f"{row.rollout_s:.2f}", f"{row.train_s:.2f}"]  # fmt: skip
+    return "| " + " | ".join(cells) + " |"
+
+
+_HEADER = (
+    "| strategy | seeds | final reward | eval acc. before RL | eval acc. after RL | eval reward after RL "
+    "| mean \\|Δlogp\\| | max \\|Δlogp\\| | rollout s/step | training s/step |\n|---|---|---|---|---|---|---|---|---|---|"
+)
+
+
+def write_table(runs: list[Run], path: Path, spec: StudySpec, model: dict[str, Any]) -> None:
+    rows = summarize(runs, spec.window)
+    n_eval = runs[0].result["eval_after"]["n"] if runs else 0
+    shown = ", ".join(f"{k}={v}" for k, v in model.items() if k != "builder")
+    text = f"""# Strategy study: {spec.task}
+
+Model: `{model['builder'].rsplit('.', 1)[-1]}({shown})`. {spec.steps} GRPO steps x {spec.prompts_per_step} prompts x \
+{spec.num_generations} completions of at most {spec.completion_length()} tokens, temperature {spec.temperature}, \
+learning rate {spec.learning_rate}; seeds {', '.join(map(str, spec.seeds))}.
+
+* final reward: mean training reward of the last {spec.window} steps of a run; mean ± sample std over seeds.
+* eval acc.: share of {n_eval} held-out prompts (never seen in the warm start or GRPO) answered exactly \
+(reward 1.0), greedy decoding, {spec.eval_phase}-phase precision; eval reward: the mean task reward of those \
+answers; mean ± sample std over seeds.
+* mean / max |Δlogp|: `{DLOGP_MEAN}` averaged over steps and seeds / `{DLOGP_MAX}` maxed over steps and seeds.
+* s/step: median over the steps of a run, mean over seeds; rollout = `rollout_backend.generate`, training = the rest \
+of the optimizer step.
+
+{_HEADER}
+""" + "".join(format_row(r) + "\n" for r in rows)  # fmt: skip
+    path.write_text(text)
