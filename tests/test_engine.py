@@ -25,7 +25,14 @@ from jetrl_trainer.tiny import build_tiny_llada, build_tiny_llama, build_tiny_qw
 
 TOL = 1e-4
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14], [5, 6, 7, 8, 9], [10, 11]]
-BUILDERS = {"llama": build_tiny_llama, "qwen2": build_tiny_qwen2, "qwen3": build_tiny_qwen3}
+LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=16)  # short, so the 5-15 token test sequences cross it
+BUILDERS = {
+    "llama": build_tiny_llama,
+    "llama3-rope": lambda tok: build_tiny_llama(tok, rope_parameters=LLAMA3_ROPE),
+    "qwen2": build_tiny_qwen2,
+    "qwen3": build_tiny_qwen3,
+}
 WARP = dict(temperature=0.7, top_k=12, top_p=0.9)
 
 
