@@ -67,7 +67,23 @@ def snapshot_jet(rev: str, out: Path) -> tuple[Path, dict]:
         subprocess.run(["tar", "-x", "-C", str(src)], input=archive.stdout, check=True)
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
                         "--target", str(site), str(src)], check=True)
+        # Older commits' setup.py missed some subpackages of jetrl_trainer/ in a non-editable install (the
+        # editable one finds them): copy what the wheel left out, and say so.
+        import shutil
+
+        filled = []
+        for path in sorted((src / "jetrl_trainer").rglob("*.py")):
+            target = site / path.relative_to(src)
+            if not target.exists():
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(path, target)
+                filled.append(str(path.relative_to(src)))
+        (root / "filled_in.txt").write_text("".join(f + "\n" for f in filled))
+    filled = (root / "filled_in.txt").read_text().split() if (root / "filled_in.txt").exists() else []
     info = {"source": f"snapshot of {rev}", "commit": _git("log", "--oneline", "-1", commit), "site": str(site)}
+    if filled:
+        info["files_missing_from_the_wheel_copied_in"] = filled
+        print(f"note: the wheel of {commit[:10]} lacked {len(filled)} files of jetrl_trainer/; copied them in")
     return site, info
 
 
