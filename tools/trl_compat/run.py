@@ -234,7 +234,7 @@ def count(tests: dict) -> dict:
     return dict(sorted(counts.items()))
 
 
-FRAME = re.compile(r"^(?P<path>/\S+?\.py):(?P<line>\d+): in (?P<func>\S+)", re.M)
+FRAME = re.compile(r"^(?P<path>\S+?\.py):(?P<line>\d+): in (?P<func>\S+)", re.M)
 
 
 def first_line(result: dict) -> str:
@@ -246,14 +246,17 @@ def first_line(result: dict) -> str:
 
 
 def jet_frames(result: dict, site: str | None = None) -> list[str]:
-    roots = [r for r in (site, str(JET_ROOT)) if r]
+    """Traceback frames in the jetrl-trainer sources (an installed snapshot's jetrl_trainer/, or this checkout)."""
     frames = []
     for m in FRAME.finditer(result["text"]):
-        path = m.group("path")
-        for root in roots:
-            if path.startswith(root + os.sep) and not path.startswith(str(HERE)):
-                frames.append(f"{os.path.relpath(path, root)}:{m.group('line')} in {m.group('func')}")
-                break
+        path = m.group("path").replace(os.sep, "/")
+        if "/jetrl_trainer/" in "/" + path:
+            where = "jetrl_trainer/" + ("/" + path).split("/jetrl_trainer/", 1)[1]
+        elif path.startswith(str(JET_ROOT) + "/") and not path.startswith(str(HERE) + "/"):
+            where = os.path.relpath(path, JET_ROOT)
+        else:
+            continue
+        frames.append(f"{where}:{m.group('line')} in {m.group('func')}")
     return frames
 
 
@@ -283,11 +286,14 @@ def report(out: Path, names: list[str]) -> str:
     for n, m in metas.items():
         if n == "trl":
             continue
-        broken = [t for t, r in ref.items() if r["outcome"] in ("passed", "xfailed")
-                  and m["tests"].get(t, {}).get("outcome") != r["outcome"]]
+        broken = [t for t, r in ref.items() if r["outcome"] in ("passed", "xfailed") and t in m["tests"]
+                  and m["tests"][t]["outcome"] != r["outcome"]]
+        not_run = [t for t in ref if t not in m["tests"]]
         fixed = [t for t, r in m["tests"].items() if r["outcome"] == "passed"
                  and ref.get(t, {}).get("outcome") not in (None, "passed")]
         lines += ["", f"## {n}: {len(broken)} tests pass with TRL and not with Jet", ""]
+        if not_run:
+            lines += [f"({len(not_run)} tests of the TRL run did not run in this one.)", ""]
         if broken:
             lines += ["| test | TRL | Jet | error (first line) | jetrl-trainer frames |", "| --- | --- | --- | --- | --- |"]
             for t in broken:
