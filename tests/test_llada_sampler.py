@@ -219,3 +219,152 @@ def test_bad_shapes_raise(model):
         generate(model, ids, mask[:, 1:], steps=2, gen_length=4, block_length=4)
     with pytest.raises(ValueError, match="integer tensor"):
         generate(model, ids.float(), mask, steps=2, gen_length=4, block_length=4)
+
+
+# -- parity with the published generate.py -------------------------------------------------------------
+
+
+def published_generate(model, prompt, attention_mask, *, steps, gen_length, block_length, cfg_scale=0.0,
+                       logits_eos_inf=False, confidence_eos_eot_inf=False, eos=None, eot=None):
+    """LLaDA's published greedy sampler, re-stated from its algorithm (not its code) as a test oracle.
+
+    Whole-sequence logits, x0 = argmax over the full vocabulary ([MASK] included), confidence =
+    softmax of the (EOS/EoT-adjusted) logits at x0, -inf outside the current block and at committed
+    positions, per-row top-k. Greedy only (the published noise stream is not reproduced).
+    """
+    B, P = prompt.shape
+    x = torch.cat([prompt, torch.full((B, gen_length), MASK)], dim=1)
+    mask = None if attention_mask is None else torch.cat([attention_mask, torch.ones(B, gen_length, dtype=attention_mask.dtype)], 1)
+    is_prompt = x != MASK
+    blocks, per_block = gen_length // block_length, steps // (gen_length // block_length)
+    for b in range(blocks):
+        hi = P + (b + 1) * block_length
+        n_masked = int((x[0, P + b * block_length:hi] == MASK).sum())
+        counts = [n_masked // per_block + (i < n_masked % per_block) for i in range(per_block)]
+        for i in range(per_block):
+            masked = x == MASK
+            if cfg_scale > 0:
+                un = x.masked_fill(is_prompt, MASK)
+                both = model(torch.cat([x, un]), attention_mask=None if mask is None else torch.cat([mask, mask])).logits
+                cond, uncond = both.chunk(2)
+                logits = uncond + (cfg_scale + 1) * (cond - uncond)
+            else:
+                logits = model(x, attention_mask=mask).logits
+            if logits_eos_inf:
+                logits[..., eos] = -torch.inf
+            x0 = logits.argmax(-1)
+            if confidence_eos_eot_inf:  # at temperature 0 the published line reaches both ids
+                logits[..., eos] = logits[..., eot] = -torch.inf
+            conf = torch.softmax(logits, -1).gather(-1, x0[..., None]).squeeze(-1)
+            conf[:, hi:] = -torch.inf
+            conf = torch.where(masked, conf, -torch.inf)
+            x0 = torch.where(masked, x0, x)
+            for row in range(B):  # top-k; equal confidences (unspecified in topk) go by position
+                pick = conf[row].sort(descending=True, stable=True).indices[:counts[i]]
+                x[row, pick] = x0[row, pick]
+    return x
+
+
+class MaskRunnerUp(torch.nn.Module):
+    """[MASK] gets a large probability at every position, but is never the argmax (a raw model's worst case)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.inner, self.config = model, model.config
+
+    def forward(self, *args, **kwargs):
+        out = self.inner(*args, **kwargs)
+        others = out.logits.clone()
+        others[..., MASK] = -torch.inf
+        top = others.max(-1).values  # (B, L)
+        # a gap in (0.05, 4) that varies with the logits, so p([MASK]) differs from position to position
+        gap = 0.05 + 3.95 * torch.frac(out.logits[..., 0].abs() * 1000.0)
+        out.logits[..., MASK] = top - gap
+        return out
+
+
+PARITY_SETTINGS = [
+    dict(steps=8, gen_length=8, block_length=8),
+    dict(steps=6, gen_length=12, block_length=4),
+    dict(steps=12, gen_length=12, block_length=4),
+]  # CFG is checked on the raw model below: guidance can lift [MASK] to the argmax, our documented departure
+
+
+@pytest.mark.parametrize("settings", PARITY_SETTINGS)
+@pytest.mark.parametrize("padded", [False, True])
+def test_greedy_matches_the_published_sampler_when_mask_is_likely(model, settings, padded):
+    """The confidence includes p([MASK]): dividing it out (confidence after [MASK] = -inf) reorders commits."""
+    ids, mask, _ = prompts(lengths=(5, 3, 7, 7) if padded else (6, 6, 6, 6), seed=3)
+    wrapped = MaskRunnerUp(model)
+    ours = generate(wrapped, ids, mask if padded else None, **settings)
+    reference = published_generate(wrapped, ids, mask if padded else None, **settings)
+    assert torch.equal(ours, reference)
+
+
+def test_the_published_order_differs_from_renormalised_confidences(model):
+    """Guards the parity test: with [MASK] likely, p/(1 - p_MASK) commits in another order."""
+    ids, _, _ = prompts(lengths=(6,) * 8, seed=3)
+    wrapped = MaskRunnerUp(model)
+    with torch.no_grad():
+        logits = wrapped(mask_tokens(ids, 8, MASK)).logits[:, 6:]
+    published = torch.softmax(logits, -1).max(-1).values
+    renormalised = torch.softmax(logits.masked_fill(torch.arange(VOCAB) == MASK, -torch.inf), -1).max(-1).values
+    assert not torch.equal(published.argsort(-1), renormalised.argsort(-1))
+
+
+@pytest.mark.parametrize("options", [dict(logits_eos_inf=True), dict(confidence_eos_eot_inf=True),
+                                     dict(logits_eos_inf=True, confidence_eos_eot_inf=True)])
+def test_eos_options_match_the_published_sampler(options):
+    EOS, EOT = 3, 4
+    # a model that likes EOS/EoT: they are proposed often, so both options change the result
+    raw = build_tiny_llada(vocab_size=VOCAB, mask_token_id=MASK, eos_token_id=EOS, seed=5).eval()
+
+    class LikesEos(MaskRunnerUp):
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            out.logits[..., [EOS, EOT]] += 1.5
+            return out
+
+    wrapped = LikesEos(raw)
+    ids, mask, _ = prompts(lengths=(5, 3, 7), seed=4)
+    kw = dict(steps=6, gen_length=12, block_length=4)
+    ours = generate(wrapped, ids, mask, eot_token_id=EOT, **kw, **options)
+    reference = published_generate(wrapped, ids, mask, eos=EOS, eot=EOT, **kw, **options)
+    assert torch.equal(ours, reference)
+    assert not torch.equal(ours, generate(wrapped, ids, mask, **kw))  # the option did something
+    if options.get("logits_eos_inf"):
+        assert not (ours[:, ids.shape[1]:] == EOS).any()
+
+
+@pytest.mark.parametrize("cfg_scale", [0.0, 1.5])
+def test_raw_model_greedy_matches_the_published_sampler(cfg_scale):
+    """No wrapper: a raw model with a vocabulary large enough that [MASK] is (here) never the argmax."""
+    raw = build_tiny_llada(vocab_size=512, mask_token_id=511, pad_token_id=0, seed=7).eval()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 511, (16, 6), generator=g)
+    ref_mask = torch.ones_like(ids)
+    ref_mask[::3, :2] = 0
+    ids = ids.masked_fill(ref_mask == 0, 0)
+    kw = dict(steps=8, gen_length=16, block_length=8, cfg_scale=cfg_scale)
+    global MASK
+    saved, MASK = MASK, 511  # the oracle reads the module-level id
+    try:
+        reference = published_generate(raw, ids, ref_mask, **kw)
+    finally:
+        MASK = saved
+    assert not (reference == 511).any()  # precondition: the published sampler committed no [MASK]
+    assert torch.equal(generate(raw, ids, ref_mask, **kw), reference)
+
+
+def test_eos_option_ids_are_checked(model):
+    ids, mask, _ = prompts()
+    with pytest.raises(ValueError, match="eot_token_id=126348 is outside"):
+        generate(model, ids, mask, steps=2, gen_length=4, block_length=4, eos_token_id=3, confidence_eos_eot_inf=True)
+    with pytest.raises(ValueError, match="need an EOS id"):
+        generate(model, ids, mask, steps=2, gen_length=4, block_length=4, logits_eos_inf=True)
+
+
+def test_cuda_graph_needs_cuda(model):
+    ids, mask, _ = prompts()
+    with pytest.raises(ValueError, match="cuda_graph=True needs"):
+        generate(model, ids, mask, steps=2, gen_length=4, block_length=4, cuda_graph=True)

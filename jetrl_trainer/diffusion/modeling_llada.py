@@ -28,6 +28,9 @@ How we depart from the published ``modeling_llada.py``:
 * Every projection is a plain ``nn.Linear`` called as a module (the LM head too, unless weights are
   tied), so peft LoRA and our in-place ``nn.Linear`` swaps (FP8/NVFP4) see every GEMM.
 * Gradient checkpointing is transformers' standard one (blocks are ``GradientCheckpointingLayer``).
+* The gated activation ``act(ff_proj(h)) * up_proj(h)`` is a parameter-free sub-module
+  (``LLaDAGatedActivation``), so on CUDA with FP8 it can hand ``ff_out`` its FP8 quantization from
+  one fused kernel (bit-identical values).
 * ``logits_to_keep`` (an int: last N positions, or a slice / index tensor) skips the LM head where
   logits are not needed; the published model only has ``last_logits_only``.
 * Padding keys are masked with an additive ``finfo.min`` bias, as published; the mask is skipped
@@ -37,6 +40,7 @@ How we depart from the published ``modeling_llada.py``:
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -47,7 +51,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .configuration_llada import LLaDAConfig
 
-__all__ = ["LLaDAModel", "LLaDAModelLM", "LLaDALlamaBlock", "LLaDARMSNorm", "rope_cos_sin"]
+__all__ = ["LLaDAModel", "LLaDAModelLM", "LLaDALlamaBlock", "LLaDARMSNorm", "LLaDAGatedActivation", "rope_cos_sin"]
 
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
 
@@ -108,6 +112,37 @@ def _padding_bias(key_mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Te
     return bias.masked_fill_(~key_mask, torch.finfo(dtype).min)[:, None, None, :]
 
 
+class LLaDAGatedActivation(nn.Module):
+    """``act(gate) * up``, LLaDA's inline SwiGLU, as a parameter-free module (state-dict keys unchanged).
+
+    For SiLU on CUDA, when the block's ``ff_out`` is an FP8 ``QuantLinear`` in the active phase, the
+    product and its 1x128 FP8 quantization come from one fused kernel and the pair is handed to
+    ``ff_out`` (:mod:`jetrl_trainer.diffusion._fused`); the values are bit-identical to the plain
+    expression, so only the speed changes. ``fused = False`` turns that off.
+    """
+
+    def __init__(self, act, consumer: nn.Module | None = None) -> None:
+        super().__init__()
+        self.act = act
+        self.fused = act is F.silu
+        # The block, read at call time (its ff_out may be swapped for a QuantLinear or a LoRA layer
+        # after construction); a weak link avoids a reference cycle block -> swiglu -> block.
+        self._consumer = weakref.ref(consumer) if consumer is not None else (lambda: None)
+
+    def extra_repr(self) -> str:
+        return f"act={getattr(self.act, '__name__', self.act)}, fused_fp8_quant={self.fused}"
+
+    def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if self.fused and gate.is_cuda:
+            from ._fused import fused_swiglu  # lazy: quant/kernels are imported only when this can run
+
+            block = self._consumer()
+            h = fused_swiglu(gate, up, None if block is None else block.ff_out)
+            if h is not None:
+                return h
+        return self.act(gate) * up
+
+
 class LLaDALlamaBlock(GradientCheckpointingLayer):
     """``x + Attn(RMSNorm(x))`` then ``x + ff_out(act(ff_proj(h)) * up_proj(h))`` with ``h = RMSNorm(x)``."""
 
@@ -127,6 +162,7 @@ class LLaDALlamaBlock(GradientCheckpointingLayer):
         self.up_proj = nn.Linear(d, hidden, bias=config.include_bias)
         self.ff_out = nn.Linear(hidden, d, bias=config.include_bias)
         self.act = _ACTIVATIONS[config.activation_type]
+        self.swiglu = LLaDAGatedActivation(self.act, consumer=self)
         self.dropout = nn.Dropout(config.residual_dropout)
 
     def attention(
@@ -154,7 +190,7 @@ class LLaDALlamaBlock(GradientCheckpointingLayer):
     ) -> torch.Tensor:
         x = x + self.dropout(self.attention(self.attn_norm(x), rope, key_mask))
         h = self.ff_norm(x)
-        h = self.act(self.ff_proj(h)) * self.up_proj(h)
+        h = self.swiglu(self.ff_proj(h), self.up_proj(h))
         return x + self.dropout(self.ff_out(h))
 
 
@@ -215,6 +251,8 @@ def _key_mask(attention_mask: torch.Tensor | None, shape: torch.Size) -> torch.T
     if attention_mask.shape != shape:
         raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, expected {tuple(shape)} (B, T).")
     key_mask = attention_mask.bool()
+    if key_mask.is_cuda and torch.cuda.is_current_stream_capturing():
+        return key_mask  # a CUDA graph cannot read the mask back; the caller decided about padding
     # Same shortcut as the published model: no padding -> no mask -> fastest SDPA kernel.
     return None if bool(key_mask.all()) else key_mask
 

@@ -8,8 +8,11 @@ The pipeline, per block and per step (names follow the house verb grammar)::
       remask_low_confidence commit the k most confident proposals, keep the rest masked
 
 ``k`` per step comes from :func:`get_num_transfer_tokens` (the block's masks split evenly over the
-steps, remainder to the first steps), the Gumbel-max sampling runs in float64, and classifier-free
-guidance is ``un + (s + 1)(cond - un)`` — all as in LLaDA's published ``generate.py``.
+steps, remainder to the first steps), the Gumbel-max sampling runs in float64, classifier-free
+guidance is ``un + (s + 1)(cond - un)`` with the attention mask passed to both halves, and the
+confidence is the softmax probability of the proposal under the model's logits, ``[MASK]``
+included -- all as in LLaDA's published ``generate.py`` (read in its late-2025 revision), as are
+the options ``logits_eos_inf`` and ``confidence_eos_eot_inf`` (LLaDA appendix B.4).
 
 How we depart from the published ``generate``:
 
@@ -17,17 +20,28 @@ How we depart from the published ``generate``:
   whole sequence's. Positions outside the block never receive tokens in the published code either
   (their confidence is ``-inf``), so the committed tokens are the same; the float64 noise is drawn
   for the block only, which also makes a row's samples independent of how much left padding the
-  batch needs.
+  batch needs. At temperature > 0 the noise stream is therefore consumed differently from the
+  published code: the same distribution, not the same draws.
 * Tokens are committed only inside the current block. The published code would also fill
   ``[MASK]`` tokens that appear inside the prompt; here they are left as conditioning.
-* The ``[MASK]`` logit is set to ``-inf`` before sampling, so no ``[MASK]`` is ever committed and
-  the output contains none (the published code could commit a predicted ``[MASK]``).
+* The ``[MASK]`` logit is set to ``-inf`` for *sampling* the proposal only, so no ``[MASK]`` is ever
+  committed and the output contains none (the published code could commit a predicted ``[MASK]``).
+  The confidence is still read from the unmodified distribution, as published, so the order of
+  commits is the published one whenever the proposal is not ``[MASK]``.
+* ``confidence_eos_eot_inf`` removes both EOS and EoT from the confidence distribution at every
+  temperature. The published line ``logits_with_noise[..., EOS] = logits[..., EOT] = -inf`` does
+  that only at temperature 0, where ``logits_with_noise`` *is* ``logits``; above 0 it writes EOS
+  into the noisy copy, after the proposal was taken, which changes nothing.
+* EOS / EoT ids come from the model's config / the arguments, not the 8B tokenizer's constants.
 * Gumbel-max is evaluated in log space, ``l - T·log(-log u)``: the same argmax as the published
   ``exp(l) / (-log u)^T`` without overflowing ``exp`` for large logits.
 * Confidences are softmax probabilities in fp32 (the published code uses the logits' dtype, so
   bf16 logits give many exact ties).
-* Per-row top-k is vectorised; randomness comes from an optional ``torch.Generator``.
-* The attention mask is honoured with classifier-free guidance too (the published code drops it).
+* Per-row top-k is vectorised, breaks ties by position (a stable sort; the published ``topk``
+  leaves the order of equal confidences unspecified), and needs no host synchronisation (the number of tokens per step is
+  known on the host: a block is all ``[MASK]`` when it starts); randomness comes from an optional
+  ``torch.Generator``. On CUDA the denoise step runs as one captured CUDA graph per ``generate``
+  call (the canvas has one shape for the whole call; the block is a static index buffer).
 """
 
 from __future__ import annotations
@@ -44,15 +58,18 @@ from jetrl_trainer._choices import REMASKINGS, check_choice
 
 __all__ = [
     "DenoiseStepInfo",
+    "LLADA_EOT_TOKEN_ID",
     "generate",
     "mask_tokens",
     "denoise_step",
+    "propose_tokens",
     "remask_low_confidence",
     "get_num_transfer_tokens",
     "add_gumbel_noise",
 ]
 
 REMASKING = REMASKINGS  # the one definition lives in jetrl_trainer/_choices.py
+LLADA_EOT_TOKEN_ID = 126348  # <|eot_id|> of the LLaDA-8B tokenizer (the published code's constant)
 
 
 @dataclass(frozen=True)
@@ -80,6 +97,12 @@ def get_num_transfer_tokens(block_mask: torch.Tensor, steps: int) -> torch.Tenso
     return (base + (step_idx[None, :] < remainder).long()).long()
 
 
+def _transfer_schedule(block_length: int, steps: int) -> list[int]:
+    """:func:`get_num_transfer_tokens` of an all-``[MASK]`` block, on the host (no device sync)."""
+    base, remainder = divmod(block_length, steps)
+    return [base + (i < remainder) for i in range(steps)]
+
+
 def add_gumbel_noise(
     logits: torch.Tensor, temperature: float, generator: torch.Generator | None = None
 ) -> torch.Tensor:
@@ -102,20 +125,63 @@ def mask_tokens(prompt_ids: torch.Tensor, gen_length: int, mask_token_id: int) -
     return torch.cat([prompt_ids, masks], dim=1)
 
 
+def propose_tokens(
+    logits: torch.Tensor,
+    *,
+    mask_token_id: int,
+    temperature: float = 0.0,
+    remasking: str = "low_confidence",
+    eos_token_id: int | None = None,
+    eot_token_id: int | None = None,
+    logits_eos_inf: bool = False,
+    confidence_eos_eot_inf: bool = False,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Proposal ``x0`` and its confidence from block logits ``(B, L_block, V)``; each ``(B, L_block)``.
+
+    ``logits_eos_inf`` removes EOS from both the proposal and the confidence distribution (as
+    published); ``confidence_eos_eot_inf`` removes EOS and EoT from the confidence only, so a
+    proposed EOS/EoT gets confidence 0 and is committed after every other proposal.
+    """
+    if logits_eos_inf:
+        logits = logits.clone()
+        logits[..., eos_token_id] = -torch.inf
+    sampling = logits.clone()
+    sampling[..., mask_token_id] = -torch.inf  # never propose [MASK] itself
+    x0 = add_gumbel_noise(sampling, temperature, generator).argmax(dim=-1)  # (B, L_block)
+    if remasking == "random":
+        confidence = torch.rand(x0.shape, generator=generator, device=x0.device, dtype=torch.float32)
+        return x0, confidence
+    # The published confidence: p(x0) under the model's distribution with [MASK] still in it.
+    scores = logits.float()
+    if confidence_eos_eot_inf:
+        scores = scores.clone() if scores is logits else scores
+        scores[..., [eos_token_id, eot_token_id]] = -torch.inf
+    confidence = F.softmax(scores, dim=-1).gather(-1, x0.unsqueeze(-1)).squeeze(-1)
+    return x0, confidence
+
+
 def denoise_step(
     model: nn.Module,
     x: torch.Tensor,
     attention_mask: torch.Tensor | None,
-    block: slice,
+    block: slice | torch.Tensor,
     *,
     prompt_length: int,
     mask_token_id: int,
     temperature: float = 0.0,
     cfg_scale: float = 0.0,
     remasking: str = "low_confidence",
+    eos_token_id: int | None = None,
+    eot_token_id: int | None = None,
+    logits_eos_inf: bool = False,
+    confidence_eos_eot_inf: bool = False,
     generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One forward pass; returns the proposal ``x0`` and its confidence for the block, each ``(B, L_block)``."""
+    """One forward pass; returns the proposal ``x0`` and its confidence for the block, each ``(B, L_block)``.
+
+    ``block`` is a slice of canvas positions or a ``(L_block,)`` index tensor (the CUDA-graph path).
+    """
     if cfg_scale > 0:
         un_x = x.clone()
         un_x[:, :prompt_length] = mask_token_id  # unconditional branch: the prompt is fully masked
@@ -125,15 +191,11 @@ def denoise_step(
         logits = uncond + (cfg_scale + 1) * (cond - uncond)
     else:
         logits = model(x, attention_mask=attention_mask, logits_to_keep=block).logits  # (B, L_block, V)
-    logits = logits.clone()
-    logits[..., mask_token_id] = -torch.inf  # never propose [MASK] itself
-    x0 = add_gumbel_noise(logits, temperature, generator).argmax(dim=-1)  # (B, L_block)
-    if remasking == "low_confidence":
-        probs = F.softmax(logits.float(), dim=-1)
-        confidence = probs.gather(-1, x0.unsqueeze(-1)).squeeze(-1)
-    else:  # "random"
-        confidence = torch.rand(x0.shape, generator=generator, device=x0.device, dtype=torch.float32)
-    return x0, confidence
+    return propose_tokens(
+        logits, mask_token_id=mask_token_id, temperature=temperature, remasking=remasking,
+        eos_token_id=eos_token_id, eot_token_id=eot_token_id, logits_eos_inf=logits_eos_inf,
+        confidence_eos_eot_inf=confidence_eos_eot_inf, generator=generator,
+    )  # fmt: skip
 
 
 def remask_low_confidence(
@@ -142,22 +204,28 @@ def remask_low_confidence(
     confidence: torch.Tensor,
     num_transfer: torch.Tensor,
     mask_token_id: int,
+    *,
+    k_max: int | None = None,
 ) -> torch.Tensor:
     """Commit, per row, the ``num_transfer[b]`` most confident proposals among still-masked positions.
 
     Writes into ``x_block`` (a view of the canvas, ``(B, L_block)``) and returns the boolean
-    ``(B, L_block)`` mask of positions committed; everything else stays ``[MASK]``.
+    ``(B, L_block)`` mask of positions committed; everything else stays ``[MASK]``. ``k_max``
+    (``>= num_transfer.max()``, known on the host) avoids reading ``num_transfer`` back from the device.
     """
     still_masked = x_block == mask_token_id
     confidence = torch.where(still_masked, confidence.to(torch.float64), -torch.inf)
-    k_max = int(num_transfer.max())
+    if k_max is None:
+        k_max = int(num_transfer.max())
     transferred = torch.zeros_like(still_masked)
     if k_max == 0:
         return transferred
-    top = confidence.topk(k_max, dim=-1).indices  # (B, k_max), most confident first
+    # (B, k_max), most confident first; a stable sort breaks ties by position on every device (topk's
+    # tie order is unspecified and differs between CPU and CUDA)
+    top = confidence.sort(dim=-1, descending=True, stable=True).indices[:, :k_max]
     keep = torch.arange(k_max, device=x0.device)[None, :] < num_transfer[:, None]
     transferred.scatter_(1, top, keep)
-    x_block[transferred] = x0[transferred].to(x_block.dtype)
+    x_block.copy_(torch.where(transferred, x0.to(x_block.dtype), x_block))  # no boolean indexing: no sync
     return transferred
 
 
@@ -174,7 +242,12 @@ def generate(
     cfg_scale: float = 0.0,
     remasking: str = "low_confidence",
     mask_token_id: int | None = None,
+    logits_eos_inf: bool = False,
+    confidence_eos_eot_inf: bool = False,
+    eos_token_id: int | None = None,
+    eot_token_id: int | None = None,
     generator: torch.Generator | None = None,
+    cuda_graph: bool | None = None,
     progress: bool = False,
     on_step: Callable[[DenoiseStepInfo], None] | None = None,
 ) -> torch.Tensor:
@@ -190,7 +263,15 @@ def generate(
         cfg_scale: unsupervised classifier-free guidance scale (0 disables it; costs 2x forwards).
         remasking: ``"low_confidence"`` or ``"random"`` choice of which proposals to keep.
         mask_token_id: ``[MASK]`` id; defaults to ``model.config.mask_token_id``.
+        logits_eos_inf: never propose EOS (LLaDA appendix B.4; the published option of that name).
+        confidence_eos_eot_inf: give proposed EOS / EoT tokens confidence 0, so they are committed
+            last (the published option of that name).
+        eos_token_id: EOS id for the two options; defaults to ``model.config.eos_token_id``.
+        eot_token_id: EoT id for ``confidence_eos_eot_inf``; defaults to ``model.config.eot_token_id``
+            when set, else LLaDA-8B's ``<|eot_id|>`` (126348).
         generator: RNG for the Gumbel noise and random remasking, on ``prompt_ids``' device.
+        cuda_graph: run the denoise step as a CUDA graph; ``None`` = on CUDA without a ``generator``
+            (the default CUDA generator is graph-safe) and without ``on_step``.
         progress: show a tqdm bar over the steps.
         on_step: called after every step with a :class:`DenoiseStepInfo` (for tests / tracing).
 
@@ -201,28 +282,34 @@ def generate(
     steps_per_block = _validate(
         prompt_ids, attention_mask, steps, gen_length, block_length, temperature, cfg_scale, remasking
     )
+    eos_token_id, eot_token_id = _resolve_eos_eot(model, logits_eos_inf, confidence_eos_eot_inf, eos_token_id, eot_token_id)
     prompt_length = prompt_ids.shape[1]
     x = mask_tokens(prompt_ids, gen_length, mask_token_id)
     if attention_mask is not None:
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones(x.shape[0], gen_length)], dim=1)
+    options = dict(
+        prompt_length=prompt_length, mask_token_id=mask_token_id, temperature=temperature, cfg_scale=cfg_scale,
+        remasking=remasking, eos_token_id=eos_token_id, eot_token_id=eot_token_id, logits_eos_inf=logits_eos_inf,
+        confidence_eos_eot_inf=confidence_eos_eot_inf,
+    )  # fmt: skip
+    if cuda_graph is None:
+        cuda_graph = x.is_cuda and generator is None and on_step is None
+    if cuda_graph and not x.is_cuda:
+        raise ValueError("cuda_graph=True needs the prompt on a CUDA device; pass cuda_graph=None or False.")
+    step_fn = _GraphedDenoiseStep(model, x, attention_mask, block_length, options) if cuda_graph else None
+    schedule = _transfer_schedule(block_length, steps_per_block)
     bar = tqdm(total=steps, desc="LLaDA denoising", disable=not progress, leave=False)
     for b in range(gen_length // block_length):
         block = slice(prompt_length + b * block_length, prompt_length + (b + 1) * block_length)
         num_transfer = get_num_transfer_tokens(x[:, block] == mask_token_id, steps_per_block)
         for i in range(steps_per_block):
-            x0, confidence = denoise_step(
-                model,
-                x,
-                attention_mask,
-                block,
-                prompt_length=prompt_length,
-                mask_token_id=mask_token_id,
-                temperature=temperature,
-                cfg_scale=cfg_scale,
-                remasking=remasking,
-                generator=generator,
+            if step_fn is not None:
+                x0, confidence = step_fn(b)
+            else:
+                x0, confidence = denoise_step(model, x, attention_mask, block, generator=generator, **options)
+            transferred = remask_low_confidence(
+                x[:, block], x0, confidence, num_transfer[:, i], mask_token_id, k_max=schedule[i]
             )
-            transferred = remask_low_confidence(x[:, block], x0, confidence, num_transfer[:, i], mask_token_id)
             if on_step is not None:
                 full = torch.zeros_like(x, dtype=torch.bool)
                 full[:, block] = transferred
@@ -232,12 +319,74 @@ def generate(
     return x
 
 
+class _GraphedDenoiseStep:
+    """:func:`denoise_step` captured once as a CUDA graph over the live canvas ``x``.
+
+    The canvas keeps one shape for a whole ``generate`` call and is updated in place, so the graph
+    reads it directly; the current block is a static ``(L_block,)`` index buffer. The first call runs
+    eagerly on a side stream (warm-up: weight caches, kernel compilation) and its result is used as
+    that step's; the capture follows, and every later call is one replay. Padding is decided once on
+    the host (the model's no-padding shortcut would read the mask back at every step).
+    """
+
+    def __init__(self, model: nn.Module, x: torch.Tensor, attention_mask: torch.Tensor | None,
+                 block_length: int, options: dict) -> None:  # fmt: skip
+        self.model, self.x, self.options = model, x, options
+        self.mask = None if attention_mask is None or bool(attention_mask.bool().all()) else attention_mask
+        P = options["prompt_length"]
+        self.blocks = (P + torch.arange(x.shape[1] - P, device=x.device)).view(-1, block_length)  # (blocks, L_block)
+        self.block = self.blocks[0].clone()
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.out: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return denoise_step(self.model, self.x, self.mask, self.block, **self.options)
+
+    def __call__(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self.block.copy_(self.blocks[b])  # device-to-device, no sync
+        if self.graph is not None:
+            self.graph.replay()
+            return self.out[0].clone(), self.out[1].clone()
+        side, current = torch.cuda.Stream(), torch.cuda.current_stream()
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            result = self._step()
+        current.wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out = self._step()
+        return result
+
+
 def _resolve_mask_token_id(model: nn.Module, mask_token_id: int | None) -> int:
     if mask_token_id is None:
         mask_token_id = getattr(getattr(model, "config", None), "mask_token_id", None)
     if mask_token_id is None:
         raise ValueError("mask_token_id is required: pass it, or use a model whose config has mask_token_id.")
     return int(mask_token_id)
+
+
+def _resolve_eos_eot(
+    model: nn.Module, logits_eos_inf: bool, confidence_eos_eot_inf: bool, eos: int | None, eot: int | None
+) -> tuple[int | None, int | None]:
+    """EOS / EoT ids for the two published options (None when neither option is on)."""
+    if not (logits_eos_inf or confidence_eos_eot_inf):
+        return eos, eot
+    config = getattr(model, "config", None)
+    if eos is None:
+        eos = getattr(config, "eos_token_id", None)
+        eos = eos[0] if isinstance(eos, (list, tuple)) and eos else eos
+    if eos is None:
+        raise ValueError("logits_eos_inf / confidence_eos_eot_inf need an EOS id: pass eos_token_id=.")
+    if confidence_eos_eot_inf and eot is None:
+        eot = getattr(config, "eot_token_id", None)
+        eot = LLADA_EOT_TOKEN_ID if eot is None else eot
+    vocab = getattr(config, "embedding_size", None) or getattr(config, "vocab_size", None)
+    for name, token in (("eos_token_id", eos), ("eot_token_id", eot)):
+        if token is not None and vocab is not None and not 0 <= int(token) < vocab:
+            raise ValueError(f"{name}={token} is outside the model's vocabulary of {vocab}; pass {name}= for your "
+                             "tokenizer (LLaDA-8B: EOS 126081, EoT 126348).")
+    return int(eos), None if eot is None else int(eot)
 
 
 def _validate(
