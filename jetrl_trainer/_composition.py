@@ -80,7 +80,8 @@ def build_policy_scorer(trainer: Any, *, diffusion: bool, trl_token_logps: Any) 
     from jetrl_trainer.diffusion.scoring import DiffusionScorer
 
     return DiffusionScorer(
-        estimator=args.likelihood_estimator, p_mask_prompt=args.p_mask_prompt, gen_length=args.max_completion_length,
+        estimator=args.likelihood_estimator, p_mask_prompt=args.p_mask_prompt, n_mc=args.likelihood_mc_samples,
+        antithetic=args.likelihood_antithetic, gen_length=args.max_completion_length,
         mask_token_id=_mask_token_id(trainer), temperature=trainer.temperature, seed=args.seed,
         num_iterations=trainer.num_iterations, entropy_grad=trainer._entropy_bonus_enabled,
         autocast=trainer.accelerator.autocast,

@@ -54,6 +54,7 @@ _FIELD_TO_PARAM = {
 # Fields that only a diffusion LM (LLaDA) reads; the trainer refuses them for autoregressive models.
 DIFFUSION_FIELDS: tuple[str, ...] = (
     "diffusion_steps", "diffusion_block_length", "diffusion_remasking", "p_mask_prompt", "likelihood_estimator",
+    "likelihood_mc_samples", "likelihood_antithetic",
 )  # fmt: skip
 CORRECTOR_PARAMS: dict[str, tuple[str, ...]] = {
     "none": (),
@@ -143,7 +144,14 @@ class JetGRPOConfig(GRPOConfig):
             the old, rollout and current log-probs of that iteration.
         likelihood_estimator (`str`, *optional*, defaults to `"mean_field"`):
             Diffusion LMs only: the registered per-token likelihood estimator
-            (`jetrl_trainer.diffusion.register_estimator`).
+            (`jetrl_trainer.diffusion.register_estimator`): `"mean_field"` (d1's one-step estimate,
+            one forward) or `"elbo"` (LLaDA's Monte-Carlo ELBO, `likelihood_mc_samples` forwards).
+        likelihood_mc_samples (`int`, *optional*):
+            `likelihood_estimator="elbo"` only: Monte-Carlo samples (forwards) per log-prob; the old,
+            rollout, current and reference log-probs share them. `None` = 8.
+        likelihood_antithetic (`bool`, *optional*, defaults to `False`):
+            `likelihood_estimator="elbo"` only: draw the samples in antithetic pairs (a mask and the
+            rest of its random order); `likelihood_mc_samples` must be even.
         max_nonfinite_reward_batches (`int`, *optional*, defaults to `3`):
             A NaN or ±inf reward is treated as missing (like `None`: left out of the group baseline; a
             completion with no reward left gets advantage 0) and counted in `rewards/nonfinite`. Training
@@ -301,7 +309,24 @@ class JetGRPOConfig(GRPOConfig):
     )
     likelihood_estimator: str = field(
         default="mean_field",
-        metadata={"help": "Diffusion LMs only: registered per-token likelihood estimator (default 'mean_field')."},
+        metadata={
+            "help": "Diffusion LMs only: registered per-token likelihood estimator: 'mean_field' (d1's one-step "
+            "estimate, one forward) or 'elbo' (LLaDA's Monte-Carlo ELBO, likelihood_mc_samples forwards)."
+        },
+    )
+    likelihood_mc_samples: int | None = field(
+        default=None,
+        metadata={
+            "help": "likelihood_estimator='elbo' only: Monte-Carlo samples (forwards) per log-prob, shared by the "
+            "old, rollout, current and reference log-probs. None = 8."
+        },
+    )
+    likelihood_antithetic: bool = field(
+        default=False,
+        metadata={
+            "help": "likelihood_estimator='elbo' only: draw the samples in antithetic pairs (a mask and the rest of "
+            "its random order); likelihood_mc_samples must be even."
+        },
     )
     max_nonfinite_reward_batches: int | None = field(
         default=3,
@@ -469,6 +494,7 @@ class JetGRPOConfig(GRPOConfig):
         if not isinstance(self.likelihood_estimator, str) or not self.likelihood_estimator:
             raise ValueError(f"likelihood_estimator must be a registered name such as 'mean_field'; got "
                              f"{self.likelihood_estimator!r}.")
+        self._check_elbo()
         gen_length, block = self.max_completion_length, self.diffusion_block_length
         if block is not None and gen_length is not None and gen_length % block:
             raise ValueError(f"diffusion_block_length={block} must divide max_completion_length={gen_length}; "
@@ -478,6 +504,21 @@ class JetGRPOConfig(GRPOConfig):
             if self.diffusion_steps % blocks:
                 raise ValueError(f"diffusion_steps={self.diffusion_steps} must be a multiple of the number of blocks "
                                  f"max_completion_length / diffusion_block_length = {blocks}.")
+
+    def _check_elbo(self) -> None:
+        """The ELBO's Monte-Carlo options: only with an estimator that reads them, and in range."""
+        n_mc, antithetic = self.likelihood_mc_samples, self.likelihood_antithetic
+        if n_mc is not None and (isinstance(n_mc, bool) or not isinstance(n_mc, int) or n_mc < 1):
+            raise ValueError(f"likelihood_mc_samples must be a positive integer, or None for 8; got {n_mc!r}.")
+        if not isinstance(antithetic, bool):
+            raise ValueError(f"likelihood_antithetic must be True or False; got {antithetic!r}.")
+        if self.likelihood_estimator == "mean_field" and (n_mc is not None or antithetic):
+            raise ValueError("likelihood_mc_samples / likelihood_antithetic are options of likelihood_estimator="
+                             "'elbo'; the one-step 'mean_field' estimate has no samples. Set "
+                             "likelihood_estimator='elbo' or drop them.")
+        if antithetic and (8 if n_mc is None else n_mc) % 2:
+            raise ValueError(f"likelihood_antithetic=True draws samples in pairs: likelihood_mc_samples must be even; "
+                             f"got {n_mc}. Use e.g. {n_mc + 1}.")
 
 
 def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:

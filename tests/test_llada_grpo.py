@@ -14,7 +14,7 @@ from torch import nn
 from jetrl_trainer import JetGRPOConfig, JetGRPOTrainer
 from jetrl_trainer.correctors import MISMATCH_METRICS
 from jetrl_trainer.diffusion import DiffusionBackend, DiffusionSampling, DiffusionScorer, build_tiny_llada
-from jetrl_trainer.diffusion import mask_seeds_for_step, mean_field_logps, register_estimator
+from jetrl_trainer.diffusion import elbo_logps, mask_seeds_for_step, mean_field_logps, register_estimator
 from jetrl_trainer.diffusion import rollout as diffusion_rollout
 from jetrl_trainer.diffusion.scoring import select_iteration
 from jetrl_trainer.quant import QuantLinear, current_phase
@@ -170,6 +170,57 @@ def test_one_mask_seed_per_iteration_shared_by_old_rollout_and_current(tmp_path)
     assert gap > 1e-3
 
 
+ELBO_CALLS: list[dict] = []
+
+
+@register_estimator("recording_elbo")
+def recording_elbo(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *, mask_seed, **kw):
+    kw.pop("p_mask_prompt")  # a **kwargs estimator gets every option; the ELBO never masks the prompt
+    inputs = []
+    handle = model.register_forward_pre_hook(lambda m, args, kwargs: inputs.append(kwargs.get("input_ids", args[0] if args else None)), with_kwargs=True)
+    try:
+        logps = elbo_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, mask_seed=mask_seed, **kw)
+    finally:
+        handle.remove()
+    ELBO_CALLS.append(dict(phase=current_phase(), grad=torch.is_grad_enabled(), options=kw,
+                           inputs=[x.clone() for x in inputs], logps=logps.detach().clone()))  # fmt: skip
+    return logps
+
+
+recording_elbo.forward_weights = elbo_logps.forward_weights
+
+
+def test_elbo_trains_with_shared_masks_across_old_rollout_reference_and_current(tmp_path):
+    """likelihood_estimator='elbo' end to end: 2 antithetic samples, beta > 0 (a reference pass), one
+    micro-batch; the old, rollout, reference and current passes see the same masked inputs."""
+    ELBO_CALLS.clear()
+    trainer = make_trainer(
+        tmp_path, save_published_layout(tmp_path / "tiny"), train_precision="bf16", rollout_precision="bf16",
+        corrector="tis", max_steps=1, beta=0.04, likelihood_estimator="recording_elbo", likelihood_mc_samples=2,
+        likelihood_antithetic=True,
+    )  # fmt: skip
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    logs, _ = train(trainer)
+    assert all(c["options"]["n_mc"] == 2 and c["options"]["antithetic"] for c in ELBO_CALLS)  # the config's
+    no_grad = [c for c in ELBO_CALLS if not c["grad"]]
+    current = [c for c in ELBO_CALLS if c["grad"]]
+    assert len(current) == 1 and len(no_grad) >= 3  # old (train phase), rollout, reference
+    def by_row(call):  # TRL shuffles rows between the scoring passes and the loss: match rows by content
+        return {tuple(torch.cat([x[r] for x in call["inputs"]]).tolist()): call["logps"][r] for r in range(len(call["logps"]))}
+
+    loss_rows = by_row(current[0])
+    for call in no_grad:
+        assert len(call["inputs"]) == 2  # n_mc forwards
+        rows = by_row(call)
+        assert rows.keys() == loss_rows.keys(), call["phase"]  # the same masked inputs, row for row
+        for key, logps in rows.items():  # same parameters before the step: same values
+            torch.testing.assert_close(logps, loss_rows[key], rtol=0, atol=1e-5)
+    assert not torch.equal(current[0]["inputs"][0], current[0]["inputs"][1])  # an antithetic pair differs
+    assert logs["mismatch/logp_abs_diff_max"] == 0.0 and logs["kl"] == 0.0
+    assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
+    assert "entropy" in logs and logs["entropy"] > 0
+
+
 def test_per_iteration_tensors_are_batch_first_and_completions_stop_at_eos(tmp_path, monkeypatch):
     """Completions are cut after the first EOS, yet the estimator still sees the whole canvas."""
     eos, pad = tokenizer().eos_token_id, tokenizer().pad_token_id
@@ -315,6 +366,10 @@ def test_autoregressive_models_get_the_autoregressive_backend_and_scorer(tmp_pat
         (dict(diffusion_steps=0), "diffusion_steps must be a positive integer"),
         (dict(diffusion_remasking="top_k"), "diffusion_remasking must be one of low_confidence, random"),
         (dict(p_mask_prompt=1.5), r"p_mask_prompt must be in \[0, 1\]"),
+        (dict(likelihood_mc_samples=4), "options of likelihood_estimator='elbo'"),
+        (dict(likelihood_antithetic=True), "options of likelihood_estimator='elbo'"),
+        (dict(likelihood_estimator="elbo", likelihood_mc_samples=0), "likelihood_mc_samples must be a positive"),
+        (dict(likelihood_estimator="elbo", likelihood_mc_samples=3, likelihood_antithetic=True), "must be even"),
     ],
 )
 def test_config_validates_the_diffusion_fields(tmp_path, fields, message):

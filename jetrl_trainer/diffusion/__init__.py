@@ -18,6 +18,7 @@ from .configuration_llada import LLaDAConfig
 from .likelihood import (
     LikelihoodEstimator,
     available_estimators,
+    elbo_logps,
     get_estimator,
     mask_seeds_for_step,
     mean_field_logps,
@@ -43,6 +44,7 @@ __all__ = [
     "register_estimator",
     "available_estimators",
     "mean_field_logps",
+    "elbo_logps",
     "mask_seeds_for_step",
     "LLADA_LM_HEAD",
     "LORA_PRESETS",

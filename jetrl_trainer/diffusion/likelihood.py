@@ -22,8 +22,28 @@ How we depart from d1:
   passes none) and is never counted as a masked prompt token.
 * Logits are divided by ``temperature`` before the log-softmax, as TRL does for AR models
   (d1 does not scale them).
-* Estimators are pluggable: register another (e.g. a multi-sample ELBO) with
-  :func:`register_estimator` and select it by name with :func:`get_estimator`.
+* Estimators are pluggable: register another with :func:`register_estimator` and select it by
+  name with :func:`get_estimator`.
+
+The second built-in estimator, ``"elbo"``, is LLaDA's Monte-Carlo bound (its published
+``get_log_likelihood``): ``log p(completion | prompt) >= E_t[(1/t) Σ_{masked} log p(x_i | x_t)]``
+with ``l ~ U{1..L}`` completion tokens masked uniformly at random (``t = l/L``) and the prompt
+never masked. :func:`elbo_logps` returns it per token, ``(1/n) Σ_j (L/l_j) 1[i ∈ M_j] log p_j(x_i)``,
+so the sum over a row's tokens is the published estimate for the same masks. Departures from the
+published code:
+
+* The masks are hashes of ``(mask_seed, row, sample index, position)``, as for the mean-field
+  prompt mask, so the old, rollout, current and reference log-probs of an inner iteration score
+  the same ``n_mc`` masked inputs (shared masks: the ratio's noise cancels) whatever the batch.
+* ``l_j`` is stratified across the samples of a row, ``u_j = frac(u_0 + j/n)``, as the published
+  ``linspace`` over a mini-batch; the published code draws one ``k`` per mini-batch of rows.
+* ``antithetic=True`` pairs each mask of ``l`` tokens (the first ``l`` of a random order) with the
+  mask of the last ``L + 1 - l`` tokens of the same order: both marginals are the published ones
+  (so the estimate stays unbiased) and together they score every token, one of them twice.
+* ``L`` counts the completion's real tokens (``completion_mask``); positions after them (past EOS,
+  and the sampler canvas's padding) are ``[MASK]`` in every sample and never scored, so a row's
+  value does not depend on the other completions of its batch.
+* Logits are divided by ``temperature``, as in the mean-field estimator.
 """
 
 from __future__ import annotations
@@ -38,12 +58,16 @@ from jetrl_trainer._hashing import M32 as _M32
 from jetrl_trainer._hashing import mix32 as _mix32
 from jetrl_trainer._hashing import mix_ints as _mix_int
 
+from .sampler import _resolve_mask_token_id as _mask_id  # one resolution rule for sampler and estimators
+
 __all__ = [
     "LikelihoodEstimator",
     "register_estimator",
     "get_estimator",
     "available_estimators",
     "mean_field_logps",
+    "elbo_logps",
+    "elbo_masks",
     "mask_seeds_for_step",
     "mask_prompt_tokens",
     "token_logps",
@@ -205,10 +229,7 @@ def mean_field_logps(
     EOS do not change the mask. Gradients flow when called with grad enabled.
     """
     _check_shapes(prompt_ids, prompt_mask, completion_ids, completion_mask)
-    if mask_token_id is None:
-        mask_token_id = getattr(getattr(model, "config", None), "mask_token_id", None)
-    if mask_token_id is None:
-        raise ValueError("mask_token_id is required: pass it, or use a model whose config has mask_token_id.")
+    mask_token_id = _mask_id(model, mask_token_id)
     masked_prompt = mask_prompt_tokens(
         prompt_ids, prompt_mask, completion_ids, completion_mask, mask_seed=mask_seed, p_mask_prompt=p_mask_prompt
     )
@@ -219,6 +240,108 @@ def mean_field_logps(
     T = completion_ids.shape[1]
     logits = model(input_ids, attention_mask=attention_mask, logits_to_keep=T).logits  # (B, T, V)
     return token_logps(logits, completion_ids, temperature)
+
+
+_ORDER_SALT, _TIME_SALT = 0x0E1B0, 0x7151E  # separate hash streams for the token order and for t
+
+
+def elbo_masks(
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    *,
+    mask_seed: int | torch.Tensor,
+    n_mc: int,
+    antithetic: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``n_mc`` completion masks of :func:`elbo_logps` and their weights ``L / l``.
+
+    Returns ``masked`` ``(n_mc, B, T)`` bool (only real completion tokens, ``l_j`` of the row's ``L``)
+    and ``weight`` ``(n_mc, B)`` float32 (0 for an empty completion). With ``antithetic``, samples
+    ``2d`` and ``2d + 1`` are a pair over one random order. Deterministic in the mask seed and the
+    row's real tokens, like :func:`mask_prompt_tokens`.
+    """
+    _check_n_mc(n_mc, antithetic)
+    B, T = completion_ids.shape
+    dev = completion_ids.device
+    seed = _hash_seeds(mask_seed, B, dev)  # (B,)
+    keys = _mix32(_row_keys(prompt_ids, prompt_mask, completion_ids, completion_mask) ^ seed)  # (B,)
+    valid = completion_mask.bool()
+    L = valid.sum(dim=1)  # (B,)
+    draws = n_mc // 2 if antithetic else n_mc
+    u0 = _mix32(keys ^ _TIME_SALT).double() / 2**32  # (B,) uniform in [0, 1)
+    pos = torch.arange(T, device=dev)
+    masked, weight = [], []
+    for d in range(draws):
+        u = torch.frac(u0 + d / draws)  # stratified over the row's draws, as the published linspace
+        l = torch.minimum((u * L).floor().long() + 1, L.clamp(min=1))  # (B,) in 1..L
+        # a random order of the real tokens: unique int64 sort keys, padding last
+        bits = _mix32(_mix32(keys ^ _mix_int(_ORDER_SALT, d)) [:, None] ^ pos[None, :])  # (B, T)
+        order_key = (bits << 20) + pos[None, :] + ((~valid).long() << 53)
+        rank = order_key.argsort(dim=1).argsort(dim=1)  # (B, T): 0 = first in the order
+        pairs = [(rank < l[:, None], l)]
+        if antithetic:  # the last L + 1 - l tokens of the same order
+            pairs.append((rank >= (l - 1)[:, None], L + 1 - l))
+        for m, count in pairs:
+            masked.append(m & valid)
+            weight.append(torch.where(L > 0, L / count.clamp(min=1), 0.0).float())
+    return torch.stack(masked), torch.stack(weight)
+
+
+@register_estimator("elbo")
+def elbo_logps(
+    model: nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    *,
+    mask_seed: int | torch.Tensor,
+    mask_token_id: int | None = None,
+    temperature: float = 1.0,
+    n_mc: int = 8,
+    antithetic: bool = False,
+) -> torch.Tensor:
+    """LLaDA's Monte-Carlo ELBO per token, ``n_mc`` forwards (see the module docstring).
+
+    Returns ``(B, T)`` float32 whose row sums are the published ``-E_t[(1/t) Σ_masked CE]`` for
+    the masks of :func:`elbo_masks`; an unbiased estimate of a lower bound on the completion's
+    log-likelihood. The prompt is never masked. Gradients flow when called with grad enabled.
+    """
+    _check_shapes(prompt_ids, prompt_mask, completion_ids, completion_mask)
+    mask_token_id = _mask_id(model, mask_token_id)
+    masked, weight = elbo_masks(
+        prompt_ids, prompt_mask, completion_ids, completion_mask, mask_seed=mask_seed, n_mc=n_mc, antithetic=antithetic
+    )
+    hidden = ~completion_mask.bool()  # after the completion: [MASK] in every sample, never scored
+    attention_mask = torch.cat([prompt_mask, torch.ones_like(completion_mask)], dim=1)
+    T = completion_ids.shape[1]
+    total = torch.zeros(completion_ids.shape, dtype=torch.float32, device=completion_ids.device)
+    for m, w in zip(masked, weight):
+        noisy = completion_ids.masked_fill(m | hidden, mask_token_id)
+        logits = model(torch.cat([prompt_ids, noisy], dim=1), attention_mask=attention_mask, logits_to_keep=T).logits
+        total = total + torch.where(m, token_logps(logits, completion_ids, temperature) * w[:, None], 0.0)
+    return total / n_mc
+
+
+def _elbo_forward_weights(prompt_ids, prompt_mask, completion_ids, completion_mask, *, mask_seed, n_mc=8,
+                          antithetic=False, **_options) -> torch.Tensor:  # fmt: skip
+    """``(n_mc, B, T)``: how :func:`elbo_logps` weighs each forward at each position (for entropies)."""
+    masked, weight = elbo_masks(
+        prompt_ids, prompt_mask, completion_ids, completion_mask, mask_seed=mask_seed, n_mc=n_mc, antithetic=antithetic
+    )
+    return masked * weight[:, :, None]
+
+
+elbo_logps.forward_weights = _elbo_forward_weights  # read by DiffusionScorer's entropy
+
+
+def _check_n_mc(n_mc: int, antithetic: bool) -> None:
+    if isinstance(n_mc, bool) or not isinstance(n_mc, int) or n_mc < 1:
+        raise ValueError(f"n_mc must be a positive int (Monte-Carlo samples per log-prob); got {n_mc!r}.")
+    if antithetic and n_mc % 2:
+        raise ValueError(f"antithetic=True uses samples in pairs: n_mc must be even; got n_mc={n_mc}.")
 
 
 def _check_shapes(prompt_ids, prompt_mask, completion_ids, completion_mask) -> None:

@@ -25,7 +25,8 @@ How this departs from d1 / diffu-GRPO:
   though completions are cut after the first EOS, so a row's log-probs do not depend on how long
   the other completions of its batch are.
 * ``entropy`` (TRL's metric, entropy mask and bonus) is the entropy of the estimator's predictive
-  distribution at each completion position.
+  distribution at each completion position; for the ELBO, averaged over its forwards with the
+  weights its log-probs get (``estimator.forward_weights``), i.e. only where the token was masked.
 """
 
 from __future__ import annotations
@@ -87,20 +88,24 @@ def diffusion_logps(
         completion_mask = nn.functional.pad(completion_mask, (0, gen_length - T), value=0)
     B, K = mask_seeds.shape
     step = batch_size or B
+    forward_weights = getattr(estimator, "forward_weights", None)  # per-forward entropy weights (elbo)
     logps, entropies = [], []
     for k in range(K):
         for start in range(0, B, step):
             rows = slice(start, start + step)
+            args = (prompt_ids[rows], prompt_mask[rows], completion_ids[rows], completion_mask[rows])
             with _captured_logits(model, compute_entropy) as captured:
                 lp = estimator(
-                    model, prompt_ids[rows], prompt_mask[rows], completion_ids[rows], completion_mask[rows],
-                    mask_seed=mask_seeds[rows, k], mask_token_id=mask_token_id, temperature=temperature,
-                    **estimator_options,
+                    model, *args, mask_seed=mask_seeds[rows, k], mask_token_id=mask_token_id,
+                    temperature=temperature, **estimator_options,
                 )  # fmt: skip
             logps.append(lp[:, :T])
             if compute_entropy:
+                weights = None
+                if forward_weights is not None:
+                    weights = forward_weights(*args, mask_seed=mask_seeds[rows, k], **estimator_options)[..., :T]
                 with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-                    entropies.append(_mean_entropy(captured, T, temperature))
+                    entropies.append(_mean_entropy(captured, T, temperature, weights))
     logps_t = torch.cat(logps).view(K, B, T).transpose(0, 1)  # chunks were k-major
     entropies_t = torch.cat(entropies).view(K, B, T).transpose(0, 1) if compute_entropy else None
     return logps_t, entropies_t
@@ -124,10 +129,13 @@ def _captured_logits(model: nn.Module, enabled: bool) -> Iterator[list[Tensor]]:
         handle.remove()
 
 
-def _mean_entropy(captured: Sequence[Tensor], T: int, temperature: float) -> Tensor:
+def _mean_entropy(captured: Sequence[Tensor], T: int, temperature: float, weights: Tensor | None = None) -> Tensor:
     """Entropy of ``softmax(logits / temperature)`` at the first T positions, averaged over forwards.
 
-    Row by row, so a float32 copy of the (B, T, V) logits is never materialised.
+    ``weights`` ``(n_forwards, B, T)``, when the estimator gives them, weigh each forward as its
+    log-probs are weighed (the ELBO: ``L/l`` where masked, 0 where the token was visible), so the
+    entropy is read where the estimator reads its log-probs. Row by row, so a float32 copy of the
+    (B, T, V) logits is never materialised.
     """
     if not captured:
         raise RuntimeError("the likelihood estimator ran no forward pass of the model; cannot compute entropies.")
@@ -138,7 +146,13 @@ def _mean_entropy(captured: Sequence[Tensor], T: int, temperature: float) -> Ten
             logp = torch.log_softmax(row.float() / temperature, dim=-1)
             rows.append(-(logp.exp() * logp).sum(-1))
         per_call.append(torch.stack(rows))
-    return torch.stack(per_call).mean(0)
+    stacked = torch.stack(per_call)  # (n_forwards, B, T)
+    if weights is None:
+        return stacked.mean(0)
+    if weights.shape != stacked.shape:
+        raise RuntimeError(f"estimator forward weights {tuple(weights.shape)} do not match its {tuple(stacked.shape)} "
+                           "forwards; forward_weights must describe the forwards the estimator runs.")
+    return (stacked * weights.to(stacked.dtype)).mean(0)
 
 
 def select_iteration(inputs: dict[str, Any], iteration: int) -> dict[str, Any]:
@@ -161,6 +175,8 @@ class DiffusionScorer(PolicyScorer):
         *,
         estimator: str | Callable,
         p_mask_prompt: float,
+        n_mc: int | None = None,
+        antithetic: bool = False,
         gen_length: int,
         mask_token_id: int,
         temperature: float,
@@ -170,7 +186,18 @@ class DiffusionScorer(PolicyScorer):
         autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     ) -> None:
         self.estimator = get_estimator(estimator)
-        self.estimator_options = _accepted(self.estimator, p_mask_prompt=p_mask_prompt)
+        options: dict[str, Any] = dict(p_mask_prompt=p_mask_prompt)
+        if n_mc is not None:  # None: the estimator's own default
+            options["n_mc"] = n_mc
+        if antithetic:
+            options["antithetic"] = True
+        self.estimator_options = _accepted(self.estimator, **options)
+        ignored = sorted(set(options) - set(self.estimator_options) - {"p_mask_prompt"})
+        if ignored:
+            raise ValueError(
+                f"the likelihood estimator {estimator!r} takes no {', '.join(ignored)} (likelihood_mc_samples / "
+                "likelihood_antithetic are options of likelihood_estimator='elbo'); drop them or pick 'elbo'."
+            )
         self.gen_length = gen_length
         self.mask_token_id = mask_token_id
         self.temperature = temperature
