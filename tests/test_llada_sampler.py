@@ -368,3 +368,77 @@ def test_cuda_graph_needs_cuda(model):
     ids, mask, _ = prompts()
     with pytest.raises(ValueError, match="cuda_graph=True needs"):
         generate(model, ids, mask, steps=2, gen_length=4, block_length=4, cuda_graph=True)
+
+
+# -- approximate, opt-in speed-ups (Fast-dLLM) ---------------------------------------------------------
+
+from jetrl_trainer.diffusion.modeling_llada import LLaDAPrefixCache  # noqa: E402
+from jetrl_trainer.diffusion.sampler import remask_below_threshold  # noqa: E402
+
+
+def test_remask_below_threshold_commits_the_confident_and_at_least_one():
+    x_block = torch.tensor([[MASK, MASK, MASK, 7], [MASK, MASK, 3, MASK], [1, 2, 3, 4]])
+    x0 = torch.tensor([[10, 11, 12, 13], [20, 21, 22, 23], [30, 31, 32, 33]])
+    confidence = torch.tensor([[0.95, 0.5, 0.91, 0.99], [0.2, 0.3, 0.99, 0.1], [0.99, 0.99, 0.99, 0.99]])
+    transferred = remask_below_threshold(x_block, x0, confidence, 0.9, MASK)
+    assert transferred.tolist() == [[True, False, True, False], [False, True, False, False], [False] * 4]
+    assert x_block.tolist() == [[10, MASK, 12, 7], [MASK, 21, 3, MASK], [1, 2, 3, 4]]
+
+
+@pytest.mark.parametrize("threshold, per_block", [(1e-9, 1), (1.0, 4)])
+def test_threshold_decoding_fills_blocks_in_order_in_fewer_or_more_steps(model, threshold, per_block):
+    ids, mask, _ = prompts()
+    out, trail = trace(model, ids, mask, steps=4, gen_length=8, block_length=4, threshold=threshold)
+    assert [b for b, *_ in trail] == [0] * per_block + [1] * per_block  # a low threshold fills a block at once
+    P = ids.shape[1]
+    for b, _, x, transferred in trail:
+        assert not transferred[:, : P + 4 * b].any() and not transferred[:, P + 4 * (b + 1):].any()
+    assert not (out == MASK).any()
+
+
+def test_threshold_keeps_confident_commits_of_the_fixed_schedule(model):
+    """A threshold above every confidence commits one token per step: the 1-token schedule exactly."""
+    ids, mask, _ = prompts()
+    kw = dict(gen_length=8, block_length=4)
+    assert torch.equal(generate(model, ids, mask, steps=8, threshold=1.0, **kw), generate(model, ids, mask, steps=8, **kw))
+
+
+def test_bad_threshold_is_refused(model):
+    ids, mask, _ = prompts()
+    with pytest.raises(ValueError, match=r"threshold must be a confidence in \(0, 1\]"):
+        generate(model, ids, mask, steps=4, gen_length=8, block_length=4, threshold=1.5)
+    with pytest.raises(ValueError, match="remasking='low_confidence'"):
+        generate(model, ids, mask, steps=4, gen_length=8, block_length=4, threshold=0.9, remasking="random")
+
+
+def test_prefix_cache_reproduces_the_full_forward_while_the_rest_is_unchanged(model):
+    ids, mask, _ = prompts()
+    x = mask_tokens(ids, 8, MASK)
+    attn = torch.cat([mask, torch.ones(3, 8, dtype=torch.long)], 1)
+    P = ids.shape[1]
+    cache = LLaDAPrefixCache(P + 4)
+    with torch.no_grad():
+        full = model(x, attention_mask=attn).logits
+        filled = model(x, attention_mask=attn, prefix_cache=cache).logits  # fills
+        cached = model(x, attention_mask=attn, prefix_cache=cache, logits_to_keep=slice(P + 4, P + 8)).logits
+        torch.testing.assert_close(filled, full)
+        torch.testing.assert_close(cached, full[:, P + 4:], rtol=1e-5, atol=1e-5)
+        assert len(cache.keys) == 2 and cache.keys[0].shape[2] == P + 4
+        x2 = x.clone()
+        x2[:, P + 4:] = 5  # the suffix changed: the cached prefix is now stale -- the approximation
+        stale = model(x2, attention_mask=attn, prefix_cache=cache, logits_to_keep=slice(P + 4, P + 8)).logits
+        fresh = model(x2, attention_mask=attn).logits[:, P + 4:]
+    assert not torch.allclose(stale, fresh, atol=1e-5)
+    with pytest.raises(ValueError, match="must lie after it"):
+        model(x, attention_mask=attn, prefix_cache=cache, logits_to_keep=slice(0, 4))
+
+
+@pytest.mark.parametrize("cfg_scale", [0.0, 1.0])
+def test_prefix_cache_generation_keeps_the_schedule_and_starts_each_block_exactly(model, cfg_scale):
+    ids, mask, _ = prompts()
+    kw = dict(steps=6, gen_length=12, block_length=4, cfg_scale=cfg_scale)
+    out, trail = trace(model, ids, mask, prefix_cache=True, **kw)
+    exact, exact_trail = trace(model, ids, mask, **kw)
+    assert [t.sum(1).tolist() for *_, t in trail] == [t.sum(1).tolist() for *_, t in exact_trail]
+    assert torch.equal(trail[0][3], exact_trail[0][3])  # the first step of the first block is a full forward
+    assert not (out == MASK).any()

@@ -51,7 +51,15 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .configuration_llada import LLaDAConfig
 
-__all__ = ["LLaDAModel", "LLaDAModelLM", "LLaDALlamaBlock", "LLaDARMSNorm", "LLaDAGatedActivation", "rope_cos_sin"]
+__all__ = [
+    "LLaDAModel",
+    "LLaDAModelLM",
+    "LLaDALlamaBlock",
+    "LLaDARMSNorm",
+    "LLaDAGatedActivation",
+    "LLaDAPrefixCache",
+    "rope_cos_sin",
+]
 
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
 
@@ -112,6 +120,23 @@ def _padding_bias(key_mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Te
     return bias.masked_fill_(~key_mask, torch.finfo(dtype).min)[:, None, None, :]
 
 
+class LLaDAPrefixCache:
+    """Keys and values of the first ``length`` positions of every layer (Fast-dLLM's prefix cache).
+
+    An *approximation* for block-wise sampling: the first forward with an empty cache runs on the
+    whole sequence and stores each layer's (RoPE-rotated) keys and values of positions
+    ``[0, length)``; later forwards with the filled cache run only on positions ``[length, T)``
+    and attend to the stored prefix. In a bidirectional model the prefix's keys and values depend
+    on the rest of the sequence, so they go stale as the rest changes; that is the approximation.
+    """
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+        self.keys: list[torch.Tensor] = []  # per layer, (B, Hkv, length, hd)
+        self.values: list[torch.Tensor] = []
+        self.filled = False
+
+
 class LLaDAGatedActivation(nn.Module):
     """``act(gate) * up``, LLaDA's inline SwiGLU, as a parameter-free module (state-dict keys unchanged).
 
@@ -166,7 +191,11 @@ class LLaDALlamaBlock(GradientCheckpointingLayer):
         self.dropout = nn.Dropout(config.residual_dropout)
 
     def attention(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], key_mask: torch.Tensor | None
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        key_mask: torch.Tensor | None,
+        cache: LLaDAPrefixCache | None = None,
     ) -> torch.Tensor:
         cfg = self.config
         B, T, _ = x.shape
@@ -174,6 +203,12 @@ class LLaDALlamaBlock(GradientCheckpointingLayer):
         k = self.k_proj(x).view(B, T, cfg.effective_n_kv_heads, cfg.head_dim).transpose(1, 2)  # (B, Hkv, T, hd)
         v = self.v_proj(x).view(B, T, cfg.effective_n_kv_heads, cfg.head_dim).transpose(1, 2)
         q, k = _apply_rope(q, k, rope, cfg.rope_full_precision)
+        if cache is not None and cache.filled:  # x holds positions [length, T_full): prepend the stored prefix
+            k = torch.cat([cache.keys[self.layer_idx], k], dim=2)
+            v = torch.cat([cache.values[self.layer_idx], v], dim=2)
+        elif cache is not None:
+            cache.keys.append(k[:, :, : cache.length])
+            cache.values.append(v[:, :, : cache.length])
         att = F.scaled_dot_product_attention(
             q,
             k,
@@ -186,9 +221,13 @@ class LLaDALlamaBlock(GradientCheckpointingLayer):
         return self.attn_out(att.transpose(1, 2).reshape(B, T, cfg.d_model))
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], key_mask: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        key_mask: torch.Tensor | None = None,
+        cache: LLaDAPrefixCache | None = None,
     ) -> torch.Tensor:
-        x = x + self.dropout(self.attention(self.attn_norm(x), rope, key_mask))
+        x = x + self.dropout(self.attention(self.attn_norm(x), rope, key_mask, cache))
         h = self.ff_norm(x)
         h = self.swiglu(self.ff_proj(h), self.up_proj(h))
         return x + self.dropout(self.ff_out(h))
@@ -219,6 +258,7 @@ class LLaDAModel(nn.Module):
         attention_mask: torch.Tensor | None = None,
         logits_to_keep: int | slice | torch.Tensor = 0,
         output_hidden_states: bool = False,
+        prefix_cache: LLaDAPrefixCache | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
         cfg, tr = self.config, self.transformer
         if (input_ids is None) == (inputs_embeds is None):
@@ -229,12 +269,19 @@ class LLaDAModel(nn.Module):
         x = tr.emb_drop(x)
         rope = rope_cos_sin(x.shape[1], cfg.head_dim, cfg.rope_theta, x.device)
         key_mask = _key_mask(attention_mask, x.shape[:2])
+        keep = _keep_index(logits_to_keep)
+        cached = prefix_cache is not None and prefix_cache.filled
+        if cached:  # run positions [length, T) only; positions (RoPE) and kept logits stay absolute
+            start = prefix_cache.length
+            x, rope, keep = x[:, start:], (rope[0][start:], rope[1][start:]), _shift_keep(keep, start)
         hidden_states = [] if output_hidden_states else None
         for block in tr.blocks:
             if hidden_states is not None:
                 hidden_states.append(x)
-            x = block(x, rope, key_mask)
-        x = tr.ln_f(x[:, _keep_index(logits_to_keep)])
+            x = block(x, rope, key_mask, prefix_cache)
+        if prefix_cache is not None:
+            prefix_cache.filled = True
+        x = tr.ln_f(x[:, keep])
         if hidden_states is not None:
             hidden_states.append(x)
         # The tied head reads the embedding matrix directly, as published; untied, it is a module call so
@@ -255,6 +302,17 @@ def _key_mask(attention_mask: torch.Tensor | None, shape: torch.Size) -> torch.T
         return key_mask  # a CUDA graph cannot read the mask back; the caller decided about padding
     # Same shortcut as the published model: no padding -> no mask -> fastest SDPA kernel.
     return None if bool(key_mask.all()) else key_mask
+
+
+def _shift_keep(keep: slice | torch.Tensor, start: int) -> slice | torch.Tensor:
+    """``keep`` (absolute positions) for a forward that starts at position ``start``."""
+    if isinstance(keep, torch.Tensor):
+        return keep - start
+    if keep.stop is None and (keep.start is None or keep.start < 0):  # every position / the last N: unchanged
+        return keep
+    if keep.step not in (None, 1) or keep.start is None or keep.start < start:
+        raise ValueError(f"with a filled prefix cache of {start} positions, logits_to_keep must lie after it; got {keep}.")
+    return slice(keep.start - start, None if keep.stop is None else keep.stop - start)
 
 
 def _keep_index(logits_to_keep: int | slice | torch.Tensor) -> slice | torch.Tensor:
@@ -326,9 +384,14 @@ class LLaDAModelLM(PreTrainedModel):
         return_dict: bool | None = None,
         past_key_values: object | None = None,
         use_cache: bool | None = None,
+        prefix_cache: LLaDAPrefixCache | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast | tuple:
-        """Logits for every kept position. ``use_cache`` is ignored (there is no cache to build)."""
+        """Logits for every kept position. ``use_cache`` is ignored (there is no KV cache to build).
+
+        ``prefix_cache`` (a :class:`LLaDAPrefixCache`) is the sampler's opt-in, approximate prefix
+        cache: an empty one is filled by this call, a filled one makes the call skip its positions.
+        """
         if labels is not None:
             raise ValueError(
                 "LLaDA does not compute a next-token loss from labels; score completions with "
@@ -346,6 +409,7 @@ class LLaDAModelLM(PreTrainedModel):
             attention_mask=attention_mask,
             logits_to_keep=logits_to_keep,
             output_hidden_states=bool(output_hidden_states),
+            prefix_cache=prefix_cache,
         )
         return_dict = self.config.return_dict if return_dict is None else return_dict
         if not return_dict:

@@ -56,6 +56,8 @@ from tqdm.auto import tqdm
 
 from jetrl_trainer._choices import REMASKINGS, check_choice
 
+from .modeling_llada import LLaDAPrefixCache
+
 __all__ = [
     "DenoiseStepInfo",
     "LLADA_EOT_TOKEN_ID",
@@ -64,6 +66,7 @@ __all__ = [
     "denoise_step",
     "propose_tokens",
     "remask_low_confidence",
+    "remask_below_threshold",
     "get_num_transfer_tokens",
     "add_gumbel_noise",
 ]
@@ -156,7 +159,8 @@ def propose_tokens(
     scores = logits.float()
     if confidence_eos_eot_inf:
         scores = scores.clone() if scores is logits else scores
-        scores[..., [eos_token_id, eot_token_id]] = -torch.inf
+        scores[..., eos_token_id] = -torch.inf  # two scalar writes: an index list would be a host-to-device copy
+        scores[..., eot_token_id] = -torch.inf
     confidence = F.softmax(scores, dim=-1).gather(-1, x0.unsqueeze(-1)).squeeze(-1)
     return x0, confidence
 
@@ -177,20 +181,23 @@ def denoise_step(
     logits_eos_inf: bool = False,
     confidence_eos_eot_inf: bool = False,
     generator: torch.Generator | None = None,
+    prefix_cache: LLaDAPrefixCache | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One forward pass; returns the proposal ``x0`` and its confidence for the block, each ``(B, L_block)``.
 
     ``block`` is a slice of canvas positions or a ``(L_block,)`` index tensor (the CUDA-graph path).
+    ``prefix_cache`` (approximate, see :class:`LLaDAPrefixCache`) is passed to the model.
     """
+    cache = {} if prefix_cache is None else dict(prefix_cache=prefix_cache)  # plain models need not take it
     if cfg_scale > 0:
         un_x = x.clone()
         un_x[:, :prompt_length] = mask_token_id  # unconditional branch: the prompt is fully masked
         mask2 = None if attention_mask is None else torch.cat([attention_mask, attention_mask])
-        both = model(torch.cat([x, un_x]), attention_mask=mask2, logits_to_keep=block).logits
+        both = model(torch.cat([x, un_x]), attention_mask=mask2, logits_to_keep=block, **cache).logits
         cond, uncond = both.chunk(2, dim=0)
         logits = uncond + (cfg_scale + 1) * (cond - uncond)
     else:
-        logits = model(x, attention_mask=attention_mask, logits_to_keep=block).logits  # (B, L_block, V)
+        logits = model(x, attention_mask=attention_mask, logits_to_keep=block, **cache).logits  # (B, L_block, V)
     return propose_tokens(
         logits, mask_token_id=mask_token_id, temperature=temperature, remasking=remasking,
         eos_token_id=eos_token_id, eot_token_id=eot_token_id, logits_eos_inf=logits_eos_inf,
@@ -229,6 +236,21 @@ def remask_low_confidence(
     return transferred
 
 
+def remask_below_threshold(
+    x_block: torch.Tensor, x0: torch.Tensor, confidence: torch.Tensor, threshold: float, mask_token_id: int
+) -> torch.Tensor:
+    """Commit every still-masked proposal with confidence >= ``threshold``, and at least the most
+    confident one per row that has a ``[MASK]`` left (Fast-dLLM's parallel decoding). Returns the
+    ``(B, L_block)`` mask of positions committed; writes into ``x_block``."""
+    still_masked = x_block == mask_token_id
+    confidence = torch.where(still_masked, confidence.to(torch.float64), -torch.inf)
+    transferred = still_masked & (confidence >= threshold)
+    best = confidence.argmax(dim=-1, keepdim=True)  # (B, 1)
+    transferred.scatter_(1, best, transferred.gather(1, best) | still_masked.gather(1, best))
+    x_block.copy_(torch.where(transferred, x0.to(x_block.dtype), x_block))
+    return transferred
+
+
 @torch.no_grad()
 def generate(
     model: nn.Module,
@@ -246,6 +268,8 @@ def generate(
     confidence_eos_eot_inf: bool = False,
     eos_token_id: int | None = None,
     eot_token_id: int | None = None,
+    threshold: float | None = None,
+    prefix_cache: bool = False,
     generator: torch.Generator | None = None,
     cuda_graph: bool | None = None,
     progress: bool = False,
@@ -269,6 +293,12 @@ def generate(
         eos_token_id: EOS id for the two options; defaults to ``model.config.eos_token_id``.
         eot_token_id: EoT id for ``confidence_eos_eot_inf``; defaults to ``model.config.eot_token_id``
             when set, else LLaDA-8B's ``<|eot_id|>`` (126348).
+        threshold: *approximate, off by default* (Fast-dLLM): commit every proposal whose confidence
+            reaches it (at least one per step) and move on when the block is full, instead of the
+            fixed ``steps / num_blocks`` schedule; costs one device-to-host read per step.
+        prefix_cache: *approximate, off by default* (Fast-dLLM's prefix cache): the first step of a
+            block runs the whole sequence and stores the keys/values of the prompt and the committed
+            blocks; the block's other steps recompute only the current and later positions.
         generator: RNG for the Gumbel noise and random remasking, on ``prompt_ids``' device.
         cuda_graph: run the denoise step as a CUDA graph; ``None`` = on CUDA without a ``generator``
             (the default CUDA generator is graph-safe) and without ``on_step``.
@@ -282,6 +312,7 @@ def generate(
     steps_per_block = _validate(
         prompt_ids, attention_mask, steps, gen_length, block_length, temperature, cfg_scale, remasking
     )
+    _validate_approximate(threshold, remasking)
     eos_token_id, eot_token_id = _resolve_eos_eot(model, logits_eos_inf, confidence_eos_eot_inf, eos_token_id, eot_token_id)
     prompt_length = prompt_ids.shape[1]
     x = mask_tokens(prompt_ids, gen_length, mask_token_id)
@@ -296,66 +327,114 @@ def generate(
         cuda_graph = x.is_cuda and generator is None and on_step is None
     if cuda_graph and not x.is_cuda:
         raise ValueError("cuda_graph=True needs the prompt on a CUDA device; pass cuda_graph=None or False.")
-    step_fn = _GraphedDenoiseStep(model, x, attention_mask, block_length, options) if cuda_graph else None
+    runner = _StepRunner(model, x, attention_mask, block_length, options, generator, cuda_graph, prefix_cache)
     schedule = _transfer_schedule(block_length, steps_per_block)
     bar = tqdm(total=steps, desc="LLaDA denoising", disable=not progress, leave=False)
     for b in range(gen_length // block_length):
         block = slice(prompt_length + b * block_length, prompt_length + (b + 1) * block_length)
         num_transfer = get_num_transfer_tokens(x[:, block] == mask_token_id, steps_per_block)
-        for i in range(steps_per_block):
-            if step_fn is not None:
-                x0, confidence = step_fn(b)
+        i, done = 0, False
+        while not done:
+            x0, confidence = runner.step(b, i)
+            if threshold is None:
+                transferred = remask_low_confidence(
+                    x[:, block], x0, confidence, num_transfer[:, i], mask_token_id, k_max=schedule[i]
+                )
+                done = i + 1 == steps_per_block
             else:
-                x0, confidence = denoise_step(model, x, attention_mask, block, generator=generator, **options)
-            transferred = remask_low_confidence(
-                x[:, block], x0, confidence, num_transfer[:, i], mask_token_id, k_max=schedule[i]
-            )
+                transferred = remask_below_threshold(x[:, block], x0, confidence, threshold, mask_token_id)
+                done = not bool((x[:, block] == mask_token_id).any())  # the one sync of this mode
             if on_step is not None:
                 full = torch.zeros_like(x, dtype=torch.bool)
                 full[:, block] = transferred
                 on_step(DenoiseStepInfo(block=b, step=i, x=x, transferred=full))
             bar.update(1)
+            i += 1
     bar.close()
     return x
 
 
-class _GraphedDenoiseStep:
-    """:func:`denoise_step` captured once as a CUDA graph over the live canvas ``x``.
+class _StepRunner:
+    """Runs the denoise steps of one ``generate`` call: eagerly, or as captured CUDA graphs.
 
-    The canvas keeps one shape for a whole ``generate`` call and is updated in place, so the graph
-    reads it directly; the current block is a static ``(L_block,)`` index buffer. The first call runs
-    eagerly on a side stream (warm-up: weight caches, kernel compilation) and its result is used as
-    that step's; the capture follows, and every later call is one replay. Padding is decided once on
-    the host (the model's no-padding shortcut would read the mask back at every step).
+    The canvas keeps one shape for the whole call and is updated in place, so a graph reads it
+    directly. Without the prefix cache there is one graph for the call, the current block being a
+    static ``(L_block,)`` index buffer. With it, each block's first step runs eagerly on the whole
+    canvas (it fills that block's cache) and the block's later steps share one graph. Padding is
+    decided once on the host (the model's no-padding shortcut would read the mask back each step).
     """
 
-    def __init__(self, model: nn.Module, x: torch.Tensor, attention_mask: torch.Tensor | None,
-                 block_length: int, options: dict) -> None:  # fmt: skip
-        self.model, self.x, self.options = model, x, options
+    def __init__(self, model: nn.Module, x: torch.Tensor, attention_mask: torch.Tensor | None, block_length: int,
+                 options: dict, generator: torch.Generator | None, cuda_graph: bool, prefix_cache: bool) -> None:  # fmt: skip
+        self.model, self.x, self.options, self.generator = model, x, options, generator
+        self.cuda_graph, self.use_cache = cuda_graph, prefix_cache
         self.mask = None if attention_mask is None or bool(attention_mask.bool().all()) else attention_mask
         P = options["prompt_length"]
         self.blocks = (P + torch.arange(x.shape[1] - P, device=x.device)).view(-1, block_length)  # (blocks, L_block)
-        self.block = self.blocks[0].clone()
+        self.block = self.blocks[0].clone()  # the graph's static block index
+        self.graph: _CapturedStep | None = None
+        self.cache: LLaDAPrefixCache | None = None
+
+    def _step(self, block: slice | torch.Tensor, **extra) -> tuple[torch.Tensor, torch.Tensor]:
+        return denoise_step(self.model, self.x, self.mask, block, generator=self.generator, **self.options, **extra)
+
+    def step(self, b: int, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.use_cache:
+            if not self.cuda_graph:
+                return self._step(self.blocks_slice(b))
+            self.block.copy_(self.blocks[b])  # device-to-device, no sync
+            if self.graph is None:
+                self.graph = _CapturedStep(lambda: self._step(self.block))
+            return self.graph()
+        if i == 0:  # fill this block's cache from a full forward; the previous block's graph is dropped
+            self.cache, self.graph = LLaDAPrefixCache(self.block_start(b)), None
+            return self._step(self.blocks_slice(b), prefix_cache=self.cache)
+        if not self.cuda_graph:
+            return self._step(self.blocks_slice(b), prefix_cache=self.cache)
+        if self.graph is None:
+            block, cache = self.blocks_slice(b), self.cache
+            self.graph = _CapturedStep(lambda: self._step(block, prefix_cache=cache))
+        return self.graph()
+
+    def block_start(self, b: int) -> int:
+        return self.options["prompt_length"] + b * self.blocks.shape[1]
+
+    def blocks_slice(self, b: int) -> slice:
+        start = self.block_start(b)
+        return slice(start, start + self.blocks.shape[1])
+
+
+class _CapturedStep:
+    """``fn`` as a CUDA graph: the first call runs it eagerly on a side stream (warm-up: weight caches,
+    kernel compilation) and returns that result, then captures it; every later call is one replay."""
+
+    def __init__(self, fn: Callable[[], tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.fn = fn
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def _step(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return denoise_step(self.model, self.x, self.mask, self.block, **self.options)
-
-    def __call__(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        self.block.copy_(self.blocks[b])  # device-to-device, no sync
+    def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.graph is not None:
             self.graph.replay()
-            return self.out[0].clone(), self.out[1].clone()
+            return self.out[0].clone(), self.out[1].clone()  # the next replay overwrites the outputs
         side, current = torch.cuda.Stream(), torch.cuda.current_stream()
         side.wait_stream(current)
         with torch.cuda.stream(side):
-            result = self._step()
+            result = self.fn()
         current.wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            self.out = self._step()
+            self.out = self.fn()
         return result
+
+
+def _validate_approximate(threshold: float | None, remasking: str) -> None:
+    if threshold is None:
+        return
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 < threshold <= 1:
+        raise ValueError(f"threshold must be a confidence in (0, 1] (Fast-dLLM uses 0.9), or None; got {threshold!r}.")
+    if remasking != "low_confidence":
+        raise ValueError("threshold compares confidences: use remasking='low_confidence' with it, or threshold=None.")
 
 
 def _resolve_mask_token_id(model: nn.Module, mask_token_id: int | None) -> int:
