@@ -16,12 +16,14 @@ Usage: ``python benchmarks/bench_rollout.py [--layers 36] [--batches 64,256] [--
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 
 import torch
 from _common import copy_bandwidth_gbs, dump, environment
 from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
+from jetrl_trainer.kernels import available_gemm_backends, use_gemm_backend
 from jetrl_trainer.quant import QuantLinear, precision_phase, quantize_model
 from jetrl_trainer.rollout import generate_with_logprobs, left_pad
 from jetrl_trainer.rollout.engine import DecodeEngine
@@ -139,8 +141,52 @@ def run_case(model, batch: int, new: int, gbs: float, skip_hf: bool, variable: b
     return results
 
 
+_KERNEL_KINDS = (  # (kind, substrings of a kernel name), first match wins
+    ("decode_gemm", ("fp8_decode_gemm", "splitk_reduce")),
+    ("attention", ("decode_attention",)),
+    ("fp8_quant", ("act_quant", "quant_kernel")),
+    ("norm", ("rmsnorm",)),
+    ("swiglu", ("swiglu",)),
+    ("gemm", ("gemm", "sm90", "cutlass", "nvjet", "cublas", "xmma", "scaled_mm", "splitK")),
+    ("sampling", ("sort", "cumsum", "scan", "topk", "radix")),
+    ("elementwise", ("elementwise", "vectorized", "unrolled", "copy", "fill", "index", "cat", "where")),
+    ("reduce", ("reduce",)),
+)
+
+
+def kernel_breakdown(step, steps: int = 3) -> dict:
+    """GPU time and launches per decode step by kernel kind (torch.profiler over eager steps)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    kinds: dict[str, list[float]] = {}
+    top = []
+    for event in prof.key_averages():
+        us = event.self_device_time_total
+        if us <= 0 or event.count == 0:
+            continue
+        name = event.key
+        kind = next((k for k, subs in _KERNEL_KINDS if any(s in name for s in subs)), "other")
+        slot = kinds.setdefault(kind, [0.0, 0])
+        slot[0] += us / steps / 1e3
+        slot[1] += event.count / steps
+        top.append((us / steps / 1e3, event.count / steps, name[:80]))
+    top.sort(reverse=True)
+    return dict(
+        gpu_ms=round(sum(v[0] for v in kinds.values()), 3),
+        launches=round(sum(v[1] for v in kinds.values())),
+        by_kind={k: dict(ms=round(v[0], 3), launches=round(v[1])) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1][0])},
+        top=[dict(ms=round(ms, 3), launches=round(n), name=name) for ms, n, name in top[:12]],
+    )
+
+
 def profile_step(model, batch: int, new: int) -> dict:
-    """Where a graphed decode step's time goes: replay alone, the sampler alone, and the host loop."""
+    """Where a graphed decode step's time goes: replay alone, the sampler alone, the kernels by kind."""
     from jetrl_trainer.rollout.engine.graphs import DecodeGraphs
     from jetrl_trainer.rollout.engine.kv_cache import KVCache
     from jetrl_trainer.rollout.engine.sampling import TokenSampler
@@ -149,8 +195,10 @@ def profile_step(model, batch: int, new: int) -> dict:
 
     out = {}
     config = GenerationConfig(max_new_tokens=new, do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
-    for precision in ("bf16", "fp8"):
-        with torch.no_grad(), precision_phase("rollout" if precision == "fp8" else "train"):
+    general = "scaled_mm" if "scaled_mm" in available_gemm_backends("cuda") else "triton"
+    for precision in ("bf16", "fp8", "fp8_general"):
+        forced = use_gemm_backend(general) if precision == "fp8_general" else contextlib.nullcontext()
+        with torch.no_grad(), precision_phase("train" if precision == "bf16" else "rollout"), forced:
             engine = DecodeEngine(model)
             v = engine.view
             cache = KVCache(num_layers=len(v.layers), num_slots=batch + 1, max_len=PROMPT + new,
@@ -170,9 +218,15 @@ def profile_step(model, batch: int, new: int) -> dict:
                 bucket.graph.replay()
 
             logits = torch.randn(batch, model.config.vocab_size, device="cuda")
+
+            def eager_step():
+                cache.lengths.copy_(lengths)
+                sampler.sample(engine.decode_step(cache, slots, tokens, kernel=True), seeds, steps)
+
             out[precision] = dict(
                 replay_ms=round(bench_ms(replay), 3),
                 sampler_ms=round(bench_ms(lambda: sampler.sample(logits, seeds, steps)), 3),
+                kernels=kernel_breakdown(eager_step),
             )
     return out
 
@@ -183,9 +237,14 @@ def main() -> None:
     ap.add_argument("--batches", default="64,256")
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--profile-only", action="store_true", help="only the per-step profile (no throughput runs)")
     args = ap.parse_args()
     gbs = copy_bandwidth_gbs()
     model = build_model(args.layers)
+    if args.profile_only:
+        profile = {f"b{b}": profile_step(model, b, args.new) for b in map(int, args.batches.split(","))}
+        dump(dict(benchmark="rollout_profile", env=environment(), layers=args.layers, step_profile=profile))
+        return
     rows = []
     for batch in map(int, args.batches.split(",")):
         rows += run_case(model, batch, args.new, gbs, args.skip_hf, variable=False)

@@ -25,6 +25,7 @@ from jetrl_trainer.kernels.gemm import (
     available_gemm_backends,
     fp8_gemm_nt,
     forced_gemm_backend,
+    gemm_backend_forced,
     register_gemm_backend,
     registered_gemm_backends,
     reset_gemm_caches,
@@ -36,6 +37,7 @@ __all__ = [
     "available_gemm_backends",
     "fp8_gemm_nt",
     "forced_gemm_backend",
+    "gemm_backend_forced",
     "optional_module",
     "register_gemm_backend",
     "registered_gemm_backends",
@@ -45,7 +47,10 @@ __all__ = [
     "use_gemm_backend",
 ]
 
-_OPTIONAL = ("scaled_mm", "triton_gemm", "deepgemm", "triton_quant", "triton_norm", "triton_swiglu")
+_OPTIONAL = (
+    "scaled_mm", "triton_gemm", "deepgemm", "triton_quant", "triton_norm", "triton_swiglu", "triton_decode_gemm",
+    "triton_rope_append",
+)
 _log = logging.getLogger(__name__)
 _loaded: dict[str, ModuleType] = {}
 

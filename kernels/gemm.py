@@ -43,6 +43,7 @@ __all__ = [
     "available_gemm_backends",
     "fp8_gemm_nt",
     "forced_gemm_backend",
+    "gemm_backend_forced",
     "register_gemm_backend",
     "registered_gemm_backends",
     "reset_gemm_caches",
@@ -172,6 +173,14 @@ def forced_gemm_backend() -> Union[str, None]:
     its forward and passes it back explicitly to the GEMMs of its backward.
     """
     return getattr(_forced, "name", None)
+
+
+def gemm_backend_forced() -> Union[str, None]:
+    """The backend forced for this thread by :func:`use_gemm_backend` or ``JETRL_GEMM_BACKEND``, if any.
+
+    Code with a fast path of its own (the decode GEMM) steps aside when a backend is forced.
+    """
+    return getattr(_forced, "name", None) or _env_forced()
 
 
 def _check_registered(name: str) -> None:

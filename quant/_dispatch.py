@@ -17,7 +17,7 @@ from jetrl_trainer import kernels
 from jetrl_trainer.quant._handoff import take_prequantized
 from jetrl_trainer.quant.fp8 import dequantize_fp8_groups, quantize_fp8_blocks, quantize_fp8_groups
 
-__all__ = ["act_quant_fp8", "requant_transpose_fp8", "transpose_fp8_blocks", "weight_quant_fp8"]
+__all__ = ["act_quant_fp8", "decode_linear_fp8", "requant_transpose_fp8", "transpose_fp8_blocks", "weight_quant_fp8"]
 
 Pair = tuple[torch.Tensor, torch.Tensor]
 
@@ -42,6 +42,29 @@ def act_quant_fp8(x2d: torch.Tensor, scale_format: str = "fp32") -> Pair:
     if fast is not None:
         return fast(x2d, scale_format=scale_format)
     return quantize_fp8_groups(x2d.contiguous(), 128, scale_format=scale_format)
+
+
+def decode_linear_fp8(
+    x2d: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, bias: Optional[torch.Tensor], scale_format: str,
+    out_dtype: torch.dtype,
+) -> Optional[torch.Tensor]:  # fmt: skip
+    """A decode-sized FP8 linear (M <= ``DECODE_MAX_M`` rows) through the split-K decode kernel, or
+    None where the general path (act quant + ``fp8_gemm_nt``) must run: off CUDA, without the
+    kernel, for larger M, or when a GEMM backend is forced. The activation's quantization is the one
+    a fused producer offered, else computed in the kernel's prologue (M <= ``PROLOGUE_MAX_M``) or by
+    the act-quant kernel; all three give the same bits."""
+    if not x2d.is_cuda or not kernels.triton_enabled() or kernels.gemm_backend_forced() is not None:
+        return None
+    module = kernels.optional_module("triton_decode_gemm")
+    if module is None or x2d.shape[0] > module.DECODE_MAX_M or x2d.shape[0] == 0:
+        return None
+    prequantized = take_prequantized(x2d, scale_format)
+    if prequantized is not None:
+        return module.fp8_decode_gemm_nt(*prequantized, w_q, w_s, bias, out_dtype=out_dtype)
+    if x2d.shape[0] > module.PROLOGUE_MAX_M:
+        return module.fp8_decode_gemm_nt(*act_quant_fp8(x2d, scale_format), w_q, w_s, bias, out_dtype=out_dtype)
+    x2d = x2d if x2d.stride(-1) == 1 else x2d.contiguous()
+    return module.fp8_decode_linear(x2d, w_q, w_s, bias, scale_format=scale_format, out_dtype=out_dtype)
 
 
 def weight_quant_fp8(w: torch.Tensor, scale_format: str = "fp32") -> Pair:

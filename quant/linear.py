@@ -40,7 +40,13 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from jetrl_trainer._choices import FLOAT_DTYPES, check_choice
 from jetrl_trainer.kernels import fp8_gemm_nt, forced_gemm_backend
-from jetrl_trainer.quant._dispatch import act_quant_fp8, requant_transpose_fp8, transpose_fp8_blocks, weight_quant_fp8
+from jetrl_trainer.quant._dispatch import (
+    act_quant_fp8,
+    decode_linear_fp8,
+    requant_transpose_fp8,
+    transpose_fp8_blocks,
+    weight_quant_fp8,
+)
 from jetrl_trainer.quant.nvfp4 import NVFP4Tensor, dequantize_nvfp4, quantize_nvfp4
 from jetrl_trainer.quant.phase import PHASES, current_phase
 from jetrl_trainer.quant.recipe import FP8Recipe, NVFP4Recipe, Recipe, RecipeLike, get_recipe
@@ -352,6 +358,10 @@ class QuantLinear(nn.Linear):
             w_q, w_s = tensors
             if grad:
                 return _FP8LinearFunction.apply(x2d, w, b, w_q, w_s, recipe.scale_format, out_dtype)
+            # Decode-sized M (rollouts): one kernel with the activation quant in its prologue.
+            y = decode_linear_fp8(x2d, w_q, w_s, b, recipe.scale_format, out_dtype)
+            if y is not None:
+                return y
             return _fp8_forward(x2d, w_q, w_s, b, recipe.scale_format, out_dtype)[0]
         if not isinstance(recipe, NVFP4Recipe):
             raise ValueError(f"QuantLinear does not know how to run recipe {recipe!r}.")

@@ -24,8 +24,10 @@ __all__ = ["SUPPORTED_MODEL_TYPES", "DecoderView", "unsupported_model_reason"]
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
-# attend(layer_index, q, k, v) -> attention output; q (B, H, T, D), k / v (B, H_kv, T, D) after RoPE.
-Attend = Callable[[int, Tensor, Tensor, Tensor], Tensor]
+# attend(layer_index, q, k, v) -> attention output (B, H, T, D); q (B, H, T, D), k / v (B, H_kv, T, D)
+# after RoPE. With rope_in_attend, attend(layer_index, q, k, v, cos, sin) gets q (B, T, H, D) and
+# k / v (B, T, H_kv, D) before RoPE, with HF's cos / sin (B, T, D), and applies RoPE itself.
+Attend = Callable[..., Tensor]
 
 
 def _base_model(model: nn.Module) -> nn.Module:
@@ -86,7 +88,9 @@ class DecoderView:
             scaling=attn.scaling, dtype=embed.weight.dtype, device=embed.weight.device,
         )  # fmt: skip
 
-    def hidden_states(self, input_ids: Tensor, position_ids: Tensor, attend: Attend) -> Tensor:
+    def hidden_states(
+        self, input_ids: Tensor, position_ids: Tensor, attend: Attend, *, rope_in_attend: bool = False
+    ) -> Tensor:
         """The final-norm hidden states ``(B, T, hidden)``; the layers in HF's order of module calls."""
         h = self.embed(input_ids)
         cos, sin = self.rotary(h, position_ids)
@@ -100,9 +104,13 @@ class DecoderView:
             k = attn.k_proj(x).view(B, T, -1, self.head_dim)
             if hasattr(attn, "k_norm"):
                 k = attn.k_norm(k)
-            v = attn.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-            q, k = self.apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-            out = attend(i, q, k, v).transpose(1, 2).reshape(B, T, -1)  # (B, T, H * D)
+            v = attn.v_proj(x).view(B, T, -1, self.head_dim)
+            if rope_in_attend:
+                out = attend(i, q, k, v, cos, sin)
+            else:
+                q, k = self.apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+                out = attend(i, q, k, v.transpose(1, 2))
+            out = out.transpose(1, 2).reshape(B, T, -1)  # (B, T, H * D)
             h = h + attn.o_proj(out)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.norm(h)

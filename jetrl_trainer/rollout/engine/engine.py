@@ -144,8 +144,9 @@ class DecodeEngine:
     def decode_step(self, cache: KVCache, slots: Tensor, tokens: Tensor, *, kernel: bool = False) -> Tensor:
         """Feed each row ``tokens[b]`` at the end of slot ``slots[b]``; FP32 logits ``(B, V)`` for the next one.
 
-        ``kernel=True`` (CUDA graphs) runs the split-KV Triton attention, which reads ``lengths`` on
-        the device; otherwise SDPA over the live prefix.
+        ``kernel=True`` (CUDA graphs) runs the Triton kernels, which read ``lengths`` on the device:
+        RoPE with the KV append in one launch (the same bits as the model's eager RoPE), then the
+        split-KV attention. Otherwise the model's RoPE, an indexed append and SDPA over the live prefix.
         """
         v = self.view
         positions = cache.lengths[slots][:, None]
@@ -153,15 +154,20 @@ class DecodeEngine:
 
         def attend(layer: int, q: Tensor, k: Tensor, val: Tensor) -> Tensor:
             cache.append(layer, slots, k[:, :, 0], val[:, :, 0])
-            if kernel:
-                from jetrl_trainer.kernels.triton_decode_attention import decode_attention as attention_kernel
-
-                out = attention_kernel(q[:, :, 0].contiguous(), cache.k[layer], cache.v[layer], slots, lengths,
-                                       v.scaling)  # fmt: skip
-            else:
-                out = decode_attention(q[:, :, 0], cache.k[layer, slots], cache.v[layer, slots], lengths, v.scaling)
+            out = decode_attention(q[:, :, 0], cache.k[layer, slots], cache.v[layer, slots], lengths, v.scaling)
             return out[:, :, None]
 
-        hidden = v.hidden_states(tokens[:, None], positions, attend)
+        def attend_kernels(layer: int, q: Tensor, k: Tensor, val: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+            from jetrl_trainer.kernels.triton_decode_attention import decode_attention as attention_kernel
+            from jetrl_trainer.kernels.triton_rope_append import rope_append
+
+            k_cache, v_cache = cache.k[layer], cache.v[layer]
+            q = rope_append(q[:, 0], k[:, 0], val[:, 0], cos[:, 0], sin[:, 0], k_cache, v_cache, slots, positions[:, 0])
+            return attention_kernel(q, k_cache, v_cache, slots, lengths, v.scaling)[:, :, None]
+
+        if kernel:
+            hidden = v.hidden_states(tokens[:, None], positions, attend_kernels, rope_in_attend=True)
+        else:
+            hidden = v.hidden_states(tokens[:, None], positions, attend)
         cache.lengths[slots] = lengths
         return v.logits(hidden[:, -1])

@@ -1,0 +1,120 @@
+"""Decode-sized linears on Qwen3-8B shapes: BF16 ``F.linear``, the general FP8 path, the decode kernel.
+
+Per shape and M (rows = live sequences at a decode step), in one process:
+
+* ``bf16``: ``F.linear`` (cuBLAS);
+* ``fp8_general``: what a rollout-phase ``QuantLinear`` ran before the decode kernel, the Triton
+  activation quant then ``fp8_gemm_nt`` (``scaled_mm`` when available);
+* ``fp8_decode``: ``fp8_decode_linear`` (split-K, activation quant in the prologue);
+* ``fp8_decode_prequant``: the same kernel on an activation already quantized (what a fused
+  RMSNorm / SwiGLU producer hands over);
+* ``fp8_rollout``: what a rollout-phase ``QuantLinear`` runs now for an unquantized activation
+  (``quant._dispatch.decode_linear_fp8``: the prologue up to ``PROLOGUE_MAX_M``, else act quant +
+  the prequantized kernel; the general path above ``DECODE_MAX_M``).
+
+Times are CUDA-graph replays of 20 back-to-back calls (launch gaps removed, as inside the engine's
+graphs). ``bw_frac`` = (weight bytes + activation in + output out) / time over the measured copy
+bandwidth. ``--sweep`` also tries launch parameters for the decode kernel and prints the best.
+
+Usage: ``python benchmarks/bench_decode_gemm.py [--m 1,16,32,64,128] [--sweep]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+import torch.nn.functional as F
+from _common import bench_graph_ms, copy_bandwidth_gbs, dump, environment
+
+from jetrl_trainer.kernels import fp8_gemm_nt
+from jetrl_trainer.kernels import triton_decode_gemm as dg
+from jetrl_trainer.quant._dispatch import act_quant_fp8, decode_linear_fp8, weight_quant_fp8
+
+SHAPES = {  # name: (N, K) of Qwen3-8B (hidden 4096, 32/8 heads of 128, intermediate 12288)
+    "q/o": (4096, 4096),
+    "k/v": (1024, 4096),
+    "gate/up": (12288, 4096),
+    "down": (4096, 12288),
+}
+
+
+def _general(x, w_q, w_s):
+    return fp8_gemm_nt(act_quant_fp8(x), (w_q, w_s), b_granularity="block", out_dtype=x.dtype)
+
+
+def measure(m: int, n: int, k: int, gbs: float) -> dict:
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    w_q, w_s = weight_quant_fp8(w)
+    x_q, x_s = act_quant_fp8(x)
+    row = dict(m=m, n=n, k=k)
+    for name, fn, wbytes in (
+        ("bf16", lambda: F.linear(x, w), 2 * n * k),
+        ("fp8_general", lambda: _general(x, w_q, w_s), n * k),
+        ("fp8_decode", lambda: dg.fp8_decode_linear(x, w_q, w_s), n * k),
+        ("fp8_decode_prequant", lambda: dg.fp8_decode_gemm_nt(x_q, x_s, w_q, w_s), n * k),
+        ("fp8_rollout", lambda: decode_linear_fp8(x, w_q, w_s, None, "fp32", x.dtype), n * k),
+    ):
+        ms = bench_graph_ms(fn)
+        moved = wbytes + 2 * m * k + 2 * m * n
+        row[f"{name}_us"] = round(ms * 1e3, 2)
+        row[f"{name}_bw_frac"] = round(moved / (ms * 1e-3) / 1e9 / gbs, 3)
+    row["decode_over_bf16"] = round(row["bf16_us"] / row["fp8_decode_us"], 2)
+    row["decode_over_general"] = round(row["fp8_general_us"] / row["fp8_decode_us"], 2)
+    row["prequant_over_bf16"] = round(row["bf16_us"] / row["fp8_decode_prequant_us"], 2)
+    row["rollout_over_bf16"] = round(row["bf16_us"] / row["fp8_rollout_us"], 2)
+    return row
+
+
+def sweep(ms: list[int], gbs: float) -> list[dict]:
+    """Best decode-kernel launch per (shape, M) over a small grid of launch parameters (prequantized
+    activation, as the engine's fused producers hand it over)."""
+    base = dict(dg.LAUNCH)
+    keys = ("BLOCK_N", "WAVES", "SWAP_BELOW_M", "num_warps", "num_stages")
+    grid = list(itertools.product((64, 128), (1, 2, 4), (0, 128), (4,), (3, 4)))
+    best = []
+    for (name, (n, k)), m in itertools.product(SHAPES.items(), ms):
+        x_q, x_s = act_quant_fp8(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
+        w_q, w_s = weight_quant_fp8(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02)
+        results = []
+        for values in grid:
+            dg.LAUNCH.update(zip(keys, values))
+            try:
+                us = bench_graph_ms(lambda: dg.fp8_decode_gemm_nt(x_q, x_s, w_q, w_s)) * 1e3
+            except Exception as exc:  # a launch the GPU cannot run (shared memory): skip it
+                results.append((float("inf"), values, type(exc).__name__))
+                continue
+            results.append((us, values, None))
+        dg.LAUNCH.clear()
+        dg.LAUNCH.update(base)
+        results.sort(key=lambda r: r[0])
+        us, launch, _ = results[0]
+        default = next((r[0] for r in results if r[1] == tuple(base[k] for k in keys)), float("nan"))
+        best.append(dict(shape=name, m=m, best_us=round(us, 2), best=dict(zip(keys, launch)), default_us=round(default, 2),
+                         best_bw_frac=round((n * k + 2 * m * k + 2 * m * n) / (us * 1e-6) / 1e9 / gbs, 3),
+                         runners_up=[(round(r[0], 2), r[1]) for r in results[1:4]]))  # fmt: skip
+        print(best[-1], flush=True)
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--m", default="1,16,32,64,128,256")
+    ap.add_argument("--sweep", action="store_true")
+    args = ap.parse_args()
+    ms = [int(v) for v in args.m.split(",")]
+    gbs = copy_bandwidth_gbs()
+    rows = []
+    for (name, (n, k)), m in itertools.product(SHAPES.items(), ms):
+        rows.append(dict(shape=name, **measure(m, n, k, gbs)))
+        print(rows[-1], flush=True)
+    result = dict(benchmark="decode_gemm", env=environment(), copy_gbs=round(gbs, 1), launch=dict(dg.LAUNCH), rows=rows)
+    if args.sweep:
+        result["sweep"] = sweep([m for m in (16, 64) if m in ms], gbs)
+    dump(result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""``@triton.jit`` split-K FP8 GEMM for decode-sized M (imported only when Triton is present).
+
+``out [M, N] = sum_g (q(x)_g @ W_g^T) * sa[:, g] * sb[n // 128, g]``, with ``q(x)`` the 1×128 FP8
+quantization of the activation computed in the prologue (``QUANTIZE``) by the very functions of
+``_triton_quant_jit`` (hence bit-identical to ``quantize_fp8_groups``), or loaded as given.
+
+``SWAP`` computes the product transposed, ``acc [BLOCK_N, BLOCK_M] = W_tile @ q(x)_tileᵀ``: at
+decode M is 1–64, too small for the MMA's M dimension (64 on Hopper) but fine for its N dimension,
+while BLOCK_N rows of W fill the MMA. K is split over ``grid[1]`` programs so that a GEMM with few
+N tiles still streams W from every SM. Partial sums go to an FP32 workspace that
+``splitk_reduce_kernel`` adds in split order: deterministic, no atomics, graph-capturable. (A
+variant where the last program of a tile to arrive did the reduction, found by a per-tile counter,
+measured no faster inside CUDA graphs on the H200, so the simpler second launch stays.)
+"""
+
+import triton
+import triton.language as tl
+
+from jetrl_trainer.kernels._triton_quant_jit import _amax, _fp8_bits, _scale_from_amax
+
+
+@triton.jit
+def fp8_decode_gemm_kernel(
+    x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, bias_ptr, xq_ptr, xqs_ptr,
+    M, N, K, stride_xm, stride_xsm, stride_wn, stride_wsn, stride_om,
+    GROUPS_PER_SPLIT: tl.constexpr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    QUANTIZE: tl.constexpr, SWAP: tl.constexpr, HAS_BIAS: tl.constexpr,
+    WRITE_Q: tl.constexpr, UE8M0: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, 128)
+    m_ok = offs_m < M
+    rows_x = tl.where(m_ok, offs_m, 0).to(tl.int64)
+    rows_w = tl.where(offs_n < N, offs_n, 0).to(tl.int64)  # clamp, not mask: no branch in the K loop
+    n_groups = tl.cdiv(K, 128)
+
+    if SWAP:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # A static trip count (pipelines well); groups past K in the last split load nothing (masked).
+    for i in range(GROUPS_PER_SPLIT):
+        g = pid_k * GROUPS_PER_SPLIT + i
+        g_ok = g < n_groups
+        cols = g * 128 + offs_k
+        k_ok = cols < K
+        x_mask = m_ok[:, None] & k_ok[None, :]
+        if QUANTIZE:
+            x = tl.load(x_ptr + rows_x[:, None] * stride_xm + cols[None, :], mask=x_mask, other=0.0).to(tl.float32)
+            sa = _scale_from_amax(_amax(x, 1), UE8M0)  # (BLOCK_M,)
+            bits = _fp8_bits(x, sa[:, None])
+            if WRITE_Q:  # tests: the prologue's quantization, written once (by the first N tile)
+                if pid_n == 0:
+                    tl.store(xq_ptr + rows_x[:, None] * K + cols[None, :], bits, mask=x_mask)
+                    tl.store(xqs_ptr + rows_x * n_groups + g, sa, mask=m_ok & g_ok)
+            a = bits.to(tl.float8e4nv, bitcast=True)
+        else:
+            a = tl.load(x_ptr + rows_x[:, None] * stride_xm + cols[None, :], mask=x_mask, other=0.0)
+            sa = tl.load(xs_ptr + rows_x * stride_xsm + g, mask=m_ok & g_ok, other=0.0)
+        w = tl.load(w_ptr + rows_w[:, None] * stride_wn + cols[None, :], mask=k_ok[None, :], other=0.0)
+        sb = tl.load(ws_ptr + (rows_w // 128) * stride_wsn + g, mask=g_ok, other=0.0)
+        if SWAP:
+            acc += tl.dot(w, tl.trans(a)) * sb[:, None] * sa[None, :]
+        else:
+            acc += tl.dot(a, tl.trans(w)) * sa[:, None] * sb[None, :]
+
+    if SWAP:
+        acc = tl.trans(acc)  # (BLOCK_M, BLOCK_N)
+    out_mask = m_ok[:, None] & (offs_n[None, :] < N)
+    tile = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]  # index into one [M, N] partial
+    if SPLITS > 1:
+        tl.store(part_ptr + pid_k.to(tl.int64) * M * N + tile, acc, mask=out_mask)
+        return
+    if HAS_BIAS:  # added to the FP32 result, then rounded once (QuantLinear's contract)
+        acc += tl.load(bias_ptr + rows_w).to(tl.float32)[None, :]
+    dst = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def splitk_reduce_kernel(
+    part_ptr, bias_ptr, out_ptr, M, N, stride_om,
+    SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """out [M, N] = sum over splits of part [SPLITS, M, N] (+ bias), in split order, rounded once."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < M * N
+    acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLITS):
+        acc += tl.load(part_ptr + s * M * N + offs, mask=mask, other=0.0)
+    m = offs // N
+    n = offs % N
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + n, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + m.to(tl.int64) * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=mask)

@@ -1,0 +1,44 @@
+"""``@triton.jit`` RoPE of one decode token and its KV-cache append (imported only when Triton is present).
+
+One program per (row, head) over ``H`` query heads then ``H_kv`` key/value heads. Each op rounds to
+the tensor dtype exactly where transformers' eager ``(x * cos) + (rotate_half(x) * sin)`` rounds
+(a product of two BF16 values is exact in FP32, so FP32 math rounded once per op is those ops), so
+the rotated query and key are the same bits as ``apply_rotary_pos_emb``.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rotate(x_ptr, cos, sin, d, HALF: tl.constexpr):
+    x = tl.load(x_ptr + d).to(tl.float32)
+    partner = tl.load(x_ptr + tl.where(d < HALF, d + HALF, d - HALF)).to(tl.float32)
+    rotated = tl.where(d < HALF, -partner, partner)  # rotate_half: cat(-x2, x1), exact
+    dtype = x_ptr.dtype.element_ty
+    return ((x * cos).to(dtype).to(tl.float32) + (rotated * sin).to(dtype).to(tl.float32)).to(dtype)
+
+
+@triton.jit
+def rope_append_kernel(
+    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, positions_ptr,
+    stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_cb, stride_sb, stride_ob, stride_oh,
+    stride_kcs, stride_kch, stride_kct, stride_vcs, stride_vch, stride_vct,
+    H: tl.constexpr, D: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    d = tl.arange(0, D)
+    cos = tl.load(cos_ptr + b * stride_cb + d).to(tl.float32)
+    sin = tl.load(sin_ptr + b * stride_sb + d).to(tl.float32)
+    if h < H:
+        q = _rotate(q_ptr + b * stride_qb + h * stride_qh, cos, sin, d, D // 2)
+        tl.store(q_out_ptr + b * stride_ob + h * stride_oh + d, q)
+    else:
+        kv = h - H
+        slot = tl.load(slots_ptr + b).to(tl.int64)
+        pos = tl.load(positions_ptr + b).to(tl.int64)
+        k = _rotate(k_ptr + b * stride_kb + kv * stride_kh, cos, sin, d, D // 2)
+        tl.store(k_cache_ptr + slot * stride_kcs + kv * stride_kch + pos * stride_kct + d, k)
+        v = tl.load(v_ptr + b * stride_vb + kv * stride_vh + d)
+        tl.store(v_cache_ptr + slot * stride_vcs + kv * stride_vch + pos * stride_vct + d, v)

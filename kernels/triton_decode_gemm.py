@@ -1,0 +1,159 @@
+"""FP8 linear for decode-sized M: split-K Triton GEMM with the 1×128 activation quant in its prologue.
+
+At decode (M = 1 to 64 rows) a linear is bound by reading its weight, and the general FP8 path
+(an activation-quant kernel, scale-layout copies, a blockwise ``_scaled_mm``) costs more in
+launches and copies than it saves in bytes. This kernel is one launch (two when K is split): every
+program quantizes its slice of the activation exactly as ``quantize_fp8_groups`` does (the same
+``@triton.jit`` functions as ``act_quant_fp8``), multiplies it with its 128×128-block FP8 weight
+tiles and scales per 128-group. See ``_triton_decode_gemm_jit.py`` for the kernel layout.
+
+=============================  =======================================  ========================
+operand                        shape / layout                           dtype
+=============================  =======================================  ========================
+``x``                          [M, K], unit stride along K              bf16 / fp16 / fp32
+or ``(x_q, x_s)``              [M, K] and [M, ceil(K/128)]              fp8_e4m3fn, fp32
+``w_q, w_s``                   [N, K] and [ceil(N/128), ceil(K/128)]    fp8_e4m3fn, fp32
+``bias``                       [N] or None                              any float
+output                         [M, N], contiguous                       ``out_dtype``
+=============================  =======================================  ========================
+
+Departure from ``QuantLinear``'s general path: the FP32 summation order of the GEMM only (per-group
+scaling as the other backends, K split into partial sums added in a fixed order). The quantized
+activation and weight are the same bits. Launch parameters depend on shapes alone (no autotuning:
+it would time kernels on the first call and break CUDA-graph capture).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from jetrl_trainer._choices import FLOAT_DTYPES, check_choice
+
+from ._triton_support import call_op, cdiv, check_scale_format, load_jit
+
+__all__ = ["DECODE_MAX_M", "PROLOGUE_MAX_M", "fp8_decode_gemm_nt", "fp8_decode_linear"]
+
+_FP8 = torch.float8_e4m3fn
+
+# Rows up to which the FP8 linear of the rollout phase takes this kernel instead of the general
+# path (benchmarks/bench_decode_gemm.py measures the crossover on the GPU at hand).
+DECODE_MAX_M = 64
+
+# Launch parameters, from the sweep in benchmarks/bench_decode_gemm.py on an H200 (prequantized
+# activation, Qwen3-8B shapes): BLOCK_N weight rows per program; WAVES programs per SM that the K split
+# aims for; SWAP (W as the MMA's M operand) wins while the M tile is below 64 rows; warps; stages.
+LAUNCH = dict(BLOCK_N=64, WAVES=2, SWAP_BELOW_M=64, num_warps=4, num_stages=3)
+# Up to this M the activation is quantized in the GEMM's prologue; above it every N tile re-quantizing
+# its K slice costs more than one act-quant launch plus the prequantized GEMM (measured at M = 64).
+PROLOGUE_MAX_M = 16
+REDUCE_BLOCK = 1024
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def plan(m: int, n: int, k: int, sms: int, launch: Optional[dict] = None) -> dict:
+    """Tile sizes and K split for an ``[M, K] x [N, K]ᵀ`` GEMM on a GPU with ``sms`` SMs."""
+    launch = {**LAUNCH, **(launch or {})}
+    block_m = max(16, min(64, 1 << (max(m, 1) - 1).bit_length()))  # one M tile up to 64 rows
+    block_n = launch["BLOCK_N"]
+    tiles = cdiv(n, block_n) * cdiv(m, block_m)
+    groups = cdiv(k, 128)
+    splits = max(1, min(groups, cdiv(launch["WAVES"] * sms, tiles)))
+    per_split = cdiv(groups, splits)
+    return dict(
+        BLOCK_M=block_m, BLOCK_N=block_n, GROUPS_PER_SPLIT=per_split, SPLITS=cdiv(groups, per_split),
+        SWAP=block_m < launch["SWAP_BELOW_M"], num_warps=launch["num_warps"], num_stages=launch["num_stages"],
+    )
+
+
+@torch.library.custom_op("jetrl::fp8_decode_linear", mutates_args=(), device_types="cuda")
+def _decode_linear_op(
+    x: Tensor, x_s: Optional[Tensor], w_q: Tensor, w_s: Tensor, bias: Optional[Tensor],
+    scale_format: str, out_dtype: torch.dtype, write_q: bool,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    jit = load_jit("_triton_decode_gemm_jit")
+    m, k = x.shape
+    n = w_q.shape[0]
+    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    quantize = x_s is None
+    q = torch.empty((m, k) if write_q else (0,), dtype=_FP8, device=x.device)
+    s = torch.empty((m, cdiv(k, 128)) if write_q else (0,), dtype=torch.float32, device=x.device)
+    if m == 0 or n == 0:
+        return out, q, s
+    cfg = plan(m, n, k, _sm_count(x.device.index if x.device.index is not None else torch.cuda.current_device()))
+    splits = cfg["SPLITS"]
+    grid = (cdiv(n, cfg["BLOCK_N"]), splits, cdiv(m, cfg["BLOCK_M"]))
+    part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else out
+    jit.fp8_decode_gemm_kernel[grid](
+        x, x_s if x_s is not None else w_s, w_q, w_s, out, part, bias if bias is not None else w_s, q.view(torch.uint8), s, m, n, k,
+        x.stride(0), x_s.stride(0) if x_s is not None else 0, w_q.stride(0), w_s.stride(0), out.stride(0),
+        QUANTIZE=quantize, HAS_BIAS=bias is not None, WRITE_Q=write_q and quantize,
+        UE8M0=scale_format == "ue8m0", **cfg,
+    )  # fmt: skip
+    if splits > 1:
+        jit.splitk_reduce_kernel[(cdiv(m * n, REDUCE_BLOCK),)](
+            part, bias if bias is not None else w_s, out, m, n, out.stride(0),
+            SPLITS=splits, HAS_BIAS=bias is not None, BLOCK=REDUCE_BLOCK, num_warps=4,
+        )  # fmt: skip
+    return out, q, s
+
+
+@_decode_linear_op.register_fake
+def _(x, x_s, w_q, w_s, bias, scale_format, out_dtype, write_q):
+    m, k = x.shape
+    out = x.new_empty((m, w_q.shape[0]), dtype=out_dtype)
+    if write_q:
+        return out, x.new_empty((m, k), dtype=_FP8), x.new_empty((m, cdiv(k, 128)), dtype=torch.float32)
+    return out, x.new_empty((0,), dtype=_FP8), x.new_empty((0,), dtype=torch.float32)
+
+
+def _check_weight(w_q: Tensor, w_s: Tensor, k: int) -> None:
+    if w_q.dtype != _FP8 or w_q.dim() != 2 or w_q.shape[1] != k or w_q.stride(-1) != 1 or not w_q.is_cuda:
+        raise ValueError(f"w_q must be a CUDA float8_e4m3fn [N, {k}] with unit stride along K; got "
+                         f"{w_q.dtype} {tuple(w_q.shape)} on {w_q.device}.")  # fmt: skip
+    expected = (cdiv(w_q.shape[0], 128), cdiv(k, 128))
+    if w_s.dtype != torch.float32 or tuple(w_s.shape) != expected or w_s.stride(-1) != 1:
+        raise ValueError(f"w_s must be float32 {expected} (128x128 blocks, unit stride); got {w_s.dtype} "
+                         f"{tuple(w_s.shape)}.")  # fmt: skip
+
+
+def fp8_decode_linear(
+    x: Tensor, w_q: Tensor, w_s: Tensor, bias: Optional[Tensor] = None, *, scale_format: str = "fp32",
+    out_dtype: Optional[torch.dtype] = None, return_quantized: bool = False,
+) -> Tensor | tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """``(quantize_fp8_groups(x) ⊗ (w_q, w_s)) + bias`` for a CUDA ``x [M, K]``, in one launch (two if K is split).
+
+    ``return_quantized=True`` (tests) also returns the activation quantization the prologue
+    computed, ``(q [M, K], s [M, ceil(K/128)])``, which equals ``quantize_fp8_groups(x)`` bit for bit.
+    """
+    if not x.is_cuda or x.dim() != 2 or x.stride(-1) != 1:
+        raise ValueError(f"x must be a 2-D CUDA tensor with unit stride along K; got {tuple(x.shape)} on {x.device}.")
+    check_choice("x dtype", x.dtype, FLOAT_DTYPES)
+    check_scale_format(scale_format)
+    _check_weight(w_q, w_s, x.shape[1])
+    out_dtype = out_dtype or x.dtype
+    check_choice("out_dtype", out_dtype, FLOAT_DTYPES)
+    out, q, s = call_op(_decode_linear_op, x, None, w_q, w_s, bias, scale_format, out_dtype, return_quantized)
+    return (out, q, s) if return_quantized else out
+
+
+def fp8_decode_gemm_nt(
+    x_q: Tensor, x_s: Tensor, w_q: Tensor, w_s: Tensor, bias: Optional[Tensor] = None, *,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> Tensor:  # fmt: skip
+    """The same GEMM for an activation already quantized 1×128 (e.g. by a fused RMSNorm + quant)."""
+    if x_q.dtype != _FP8 or x_q.dim() != 2 or x_q.stride(-1) != 1 or not x_q.is_cuda:
+        raise ValueError(f"x_q must be a 2-D CUDA float8_e4m3fn with unit stride; got {x_q.dtype} {tuple(x_q.shape)}.")
+    m, k = x_q.shape
+    if x_s.dtype != torch.float32 or tuple(x_s.shape) != (m, cdiv(k, 128)) or x_s.stride(-1) != 1:
+        raise ValueError(f"x_s must be float32 {(m, cdiv(k, 128))} with unit stride; got {x_s.dtype} {tuple(x_s.shape)}.")
+    _check_weight(w_q, w_s, k)
+    check_choice("out_dtype", out_dtype, FLOAT_DTYPES)
+    return call_op(_decode_linear_op, x_q, x_s, w_q, w_s, bias, "fp32", out_dtype, False)[0]

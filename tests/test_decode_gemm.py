@@ -1,0 +1,166 @@
+"""The decode-sized FP8 linear (kernels/triton_decode_gemm.py): its launch plan and dispatch on CPU;
+on CUDA, the prologue's quantization bit for bit against ``quantize_fp8_groups``, the GEMM against
+the dequantized reference, both operand modes, bias, determinism, CUDA-graph replay, and that a
+rollout-phase ``QuantLinear`` takes it at decode M and only there."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from jetrl_trainer import kernels
+from jetrl_trainer.kernels import triton_decode_gemm as dg
+from jetrl_trainer.quant import QuantLinear, precision_phase
+from jetrl_trainer.quant._dispatch import decode_linear_fp8
+from jetrl_trainer.quant.fp8 import dequantize_fp8_blocks, dequantize_fp8_groups, quantize_fp8_blocks, quantize_fp8_groups
+from jetrl_trainer.quant.testing import relative_error
+
+
+@pytest.mark.parametrize("m", [1, 7, 16, 33, 64, 100])
+@pytest.mark.parametrize("n, k", [(4096, 4096), (1024, 4096), (12288, 4096), (4096, 12288), (200, 300)])
+def test_plan_covers_every_k_group_exactly_once(m, n, k):
+    cfg = dg.plan(m, n, k, sms=132)
+    groups = math.ceil(k / 128)
+    per, splits = cfg["GROUPS_PER_SPLIT"], cfg["SPLITS"]
+    assert per * splits >= groups > per * (splits - 1)  # no split is empty, none is missing
+    assert 16 <= cfg["BLOCK_M"] <= 64 and cfg["BLOCK_M"] & (cfg["BLOCK_M"] - 1) == 0
+    assert cfg["BLOCK_M"] >= min(m, 64)
+    tiles = math.ceil(n / cfg["BLOCK_N"]) * math.ceil(m / cfg["BLOCK_M"])
+    if splits > 1:  # split only as far as the GPU needs programs
+        assert tiles * (splits - 1) < dg.LAUNCH["WAVES"] * 132
+
+
+def test_dispatch_steps_aside_off_cuda_and_when_a_backend_is_forced(monkeypatch):
+    x = torch.randn(4, 256)
+    w_q, w_s = quantize_fp8_blocks(torch.randn(128, 256))
+    assert decode_linear_fp8(x, w_q, w_s, None, "fp32", torch.float32) is None  # CPU: the general path
+    assert kernels.gemm_backend_forced() is None
+    with kernels.use_gemm_backend("emulated"):
+        assert kernels.gemm_backend_forced() == "emulated"
+    monkeypatch.setenv("JETRL_GEMM_BACKEND", "emulated")
+    kernels.reset_kernel_caches()
+    try:
+        assert kernels.gemm_backend_forced() == "emulated"
+    finally:
+        monkeypatch.delenv("JETRL_GEMM_BACKEND")
+        kernels.reset_kernel_caches()
+
+
+def test_the_kernel_refuses_cpu_tensors():
+    w_q, w_s = quantize_fp8_blocks(torch.randn(128, 256))
+    with pytest.raises(ValueError, match="CUDA"):
+        dg.fp8_decode_linear(torch.randn(4, 256), w_q, w_s)
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _need_kernel():
+    if not kernels.triton_available() or kernels.optional_module("triton_decode_gemm") is None:
+        pytest.skip("needs Triton")
+
+
+def _operands(m, n, k, dtype, seed=0, scale_format="fp32"):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g) * 4).to("cuda", dtype)
+    w = (torch.randn(n, k, generator=g) * 0.05).cuda()
+    w_q, w_s = quantize_fp8_blocks(w, scale_format=scale_format)
+    return x, w_q.contiguous(), w_s
+
+
+def _reference(x, w_q, w_s, bias=None, scale_format="fp32"):
+    x_q, x_s = quantize_fp8_groups(x, scale_format=scale_format)
+    y = dequantize_fp8_groups(x_q, x_s).double() @ dequantize_fp8_blocks(w_q, w_s).double().t()
+    return y + bias.double() if bias is not None else y
+
+
+LAUNCHES = [dict(), dict(SWAP_BELOW_M=0, BLOCK_N=128), dict(SWAP_BELOW_M=128, WAVES=4)]  # shipped, never / always swapped
+
+
+@pytest.fixture(params=LAUNCHES, ids=lambda p: "-".join(f"{k}{v}" for k, v in p.items()))
+def launch(request, monkeypatch):
+    for key, value in request.param.items():
+        monkeypatch.setitem(dg.LAUNCH, key, value)
+    return request.param
+
+
+SHAPES = [(1, 4096, 4096), (5, 1024, 4096), (16, 12288, 4096), (33, 4096, 12288), (64, 200, 300), (64, 4096, 4096)]
+
+
+@pytest.mark.gpu
+@CUDA
+@pytest.mark.parametrize("m, n, k", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("scale_format", ["fp32", "ue8m0"])
+def test_prologue_quantization_is_bit_identical_and_the_gemm_matches(m, n, k, dtype, scale_format, launch):
+    _need_kernel()
+    x, w_q, w_s = _operands(m, n, k, dtype, scale_format=scale_format)
+    out, q, s = dg.fp8_decode_linear(x, w_q, w_s, scale_format=scale_format, out_dtype=torch.float32,
+                                     return_quantized=True)  # fmt: skip
+    q_ref, s_ref = quantize_fp8_groups(x, scale_format=scale_format)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
+    ref = _reference(x, w_q, w_s, scale_format=scale_format)
+    # FP8 MMAs accumulate 128-long dots in reduced precision; the other backends land at 1.2-1.5e-4 too.
+    assert out.shape == (m, n) and relative_error(out, ref) < 3e-4, relative_error(out, ref)
+
+
+@pytest.mark.gpu
+@CUDA
+@pytest.mark.parametrize("m, n, k", SHAPES)
+def test_prequantized_operand_gives_the_same_bits_and_bias_is_added_in_fp32(m, n, k, launch):
+    _need_kernel()
+    x, w_q, w_s = _operands(m, n, k, torch.bfloat16, seed=1)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    fused = dg.fp8_decode_linear(x, w_q, w_s, bias)
+    again = dg.fp8_decode_linear(x, w_q, w_s, bias)
+    pre = dg.fp8_decode_gemm_nt(*quantize_fp8_groups(x), w_q, w_s, bias, out_dtype=torch.bfloat16)
+    assert fused.dtype == torch.bfloat16 and torch.equal(fused, again) and torch.equal(fused, pre)  # deterministic
+    assert relative_error(fused, _reference(x, w_q, w_s, bias)) < 4e-3  # one rounding to BF16, as the general path
+
+
+@pytest.mark.gpu
+@CUDA
+def test_a_cuda_graph_replays_new_activations_and_refreshed_weights(launch):
+    _need_kernel()
+    x, w_q, w_s = _operands(16, 4096, 4096, torch.bfloat16, seed=2)
+    static = x.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        dg.fp8_decode_linear(static, w_q, w_s)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = dg.fp8_decode_linear(static, w_q, w_s)
+    x2, w_q2, w_s2 = _operands(16, 4096, 4096, torch.bfloat16, seed=3)
+    static.copy_(x2)
+    w_q.copy_(w_q2)
+    w_s.copy_(w_s2)
+    graph.replay()
+    assert torch.equal(out, dg.fp8_decode_linear(x2, w_q2, w_s2))
+
+
+@pytest.mark.gpu
+@CUDA
+def test_a_rollout_phase_quantlinear_takes_the_kernel_at_decode_m_only(monkeypatch):
+    _need_kernel()
+    linear = torch.nn.Linear(4096, 1024, bias=True, device="cuda", dtype=torch.bfloat16)
+    layer = QuantLinear.from_linear(linear, {"train": "bf16", "rollout": "fp8"})
+    calls = []
+    real = dg.fp8_decode_linear
+    monkeypatch.setattr(dg, "fp8_decode_linear", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+    for m in (1, 64, 65, 512):
+        x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad(), precision_phase("rollout"):
+            y = layer(x)
+            with kernels.use_gemm_backend("scaled_mm" if "scaled_mm" in kernels.available_gemm_backends("cuda") else "triton"):
+                general = layer(x)
+        err = (y.float() - general.float()).abs().max() / general.float().abs().max()
+        assert err < 2e-2, (m, err)  # the same FP8 operands; BF16 output rounding and summation order
+    assert calls == [1]  # M = 64 goes through the act-quant kernel and the prequantized form
+    x = torch.randn(8, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    with precision_phase("rollout"):
+        layer(x).sum().backward()  # autograd keeps the general path (it saves X_q for the backward)
+    assert calls == [1] and x.grad is not None
