@@ -40,12 +40,15 @@ How we depart from the published ``generate``:
 * Per-row top-k is vectorised, breaks ties by position (a stable sort; the published ``topk``
   leaves the order of equal confidences unspecified), and needs no host synchronisation (the number of tokens per step is
   known on the host: a block is all ``[MASK]`` when it starts); randomness comes from an optional
-  ``torch.Generator``. On CUDA the denoise step runs as one captured CUDA graph per ``generate``
-  call (the canvas has one shape for the whole call; the block is a static index buffer).
+  ``torch.Generator``. ``cuda_graph=True`` (opt-in) captures the denoise step as a CUDA graph per
+  ``generate`` call (the canvas has one shape for the whole call; the block is a static index
+  buffer).
 """
 
 from __future__ import annotations
 
+import functools
+import gc
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -271,7 +274,7 @@ def generate(
     threshold: float | None = None,
     prefix_cache: bool = False,
     generator: torch.Generator | None = None,
-    cuda_graph: bool | None = None,
+    cuda_graph: bool = False,
     progress: bool = False,
     on_step: Callable[[DenoiseStepInfo], None] | None = None,
 ) -> torch.Tensor:
@@ -300,8 +303,9 @@ def generate(
             block runs the whole sequence and stores the keys/values of the prompt and the committed
             blocks; the block's other steps recompute only the current and later positions.
         generator: RNG for the Gumbel noise and random remasking, on ``prompt_ids``' device.
-        cuda_graph: run the denoise step as a CUDA graph; ``None`` = on CUDA without a ``generator``
-            (the default CUDA generator is graph-safe) and without ``on_step``.
+        cuda_graph: run the denoise step as captured CUDA graphs (CUDA only; opt-in: on the H200 it
+            measured no faster than eager for LLaDA-8B shapes, see docs/benchmarks.md). Randomness
+            then comes from the default CUDA generator (``generator`` must be None).
         progress: show a tqdm bar over the steps.
         on_step: called after every step with a :class:`DenoiseStepInfo` (for tests / tracing).
 
@@ -323,11 +327,23 @@ def generate(
         remasking=remasking, eos_token_id=eos_token_id, eot_token_id=eot_token_id, logits_eos_inf=logits_eos_inf,
         confidence_eos_eot_inf=confidence_eos_eot_inf,
     )  # fmt: skip
-    if cuda_graph is None:
-        cuda_graph = x.is_cuda and generator is None and on_step is None
     if cuda_graph and not x.is_cuda:
-        raise ValueError("cuda_graph=True needs the prompt on a CUDA device; pass cuda_graph=None or False.")
+        raise ValueError("cuda_graph=True needs the prompt on a CUDA device; pass cuda_graph=False.")
+    if cuda_graph and generator is not None:
+        raise ValueError("cuda_graph=True draws from the default CUDA generator (seed it with torch.manual_seed); "
+                         "pass generator=None, or cuda_graph=False to use the generator.")
     runner = _StepRunner(model, x, attention_mask, block_length, options, generator, cuda_graph, prefix_cache)
+    try:
+        _denoise_blocks(runner, x, prompt_length, gen_length, block_length, steps, steps_per_block, threshold,
+                        mask_token_id, progress, on_step)  # fmt: skip
+    finally:
+        runner.close()  # destroy the graphs now: a graph collected later could land inside another capture
+    return x
+
+
+def _denoise_blocks(runner, x, prompt_length, gen_length, block_length, steps, steps_per_block, threshold,
+                    mask_token_id, progress, on_step) -> None:  # fmt: skip
+    """The block / step loop of :func:`generate` (writes into the canvas ``x``)."""
     schedule = _transfer_schedule(block_length, steps_per_block)
     bar = tqdm(total=steps, desc="LLaDA denoising", disable=not progress, leave=False)
     for b in range(gen_length // block_length):
@@ -351,7 +367,6 @@ def generate(
             bar.update(1)
             i += 1
     bar.close()
-    return x
 
 
 class _StepRunner:
@@ -378,13 +393,21 @@ class _StepRunner:
     def _step(self, block: slice | torch.Tensor, **extra) -> tuple[torch.Tensor, torch.Tensor]:
         return denoise_step(self.model, self.x, self.mask, block, generator=self.generator, **self.options, **extra)
 
+    def _captured(self, block: slice | torch.Tensor, **extra) -> _CapturedStep:
+        # A partial over plain values, not a closure over self: no runner <-> graph reference cycle.
+        return _CapturedStep(functools.partial(denoise_step, self.model, self.x, self.mask, block,
+                                               generator=self.generator, **self.options, **extra))  # fmt: skip
+
+    def close(self) -> None:
+        self.graph, self.cache = None, None
+
     def step(self, b: int, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.use_cache:
             if not self.cuda_graph:
                 return self._step(self.blocks_slice(b))
             self.block.copy_(self.blocks[b])  # device-to-device, no sync
             if self.graph is None:
-                self.graph = _CapturedStep(lambda: self._step(self.block))
+                self.graph = self._captured(self.block)
             return self.graph()
         if i == 0:  # fill this block's cache from a full forward; the previous block's graph is dropped
             self.cache, self.graph = LLaDAPrefixCache(self.block_start(b)), None
@@ -392,8 +415,7 @@ class _StepRunner:
         if not self.cuda_graph:
             return self._step(self.blocks_slice(b), prefix_cache=self.cache)
         if self.graph is None:
-            block, cache = self.blocks_slice(b), self.cache
-            self.graph = _CapturedStep(lambda: self._step(block, prefix_cache=cache))
+            self.graph = self._captured(self.blocks_slice(b), prefix_cache=self.cache)
         return self.graph()
 
     def block_start(self, b: int) -> int:
@@ -423,8 +445,14 @@ class _CapturedStep:
             result = self.fn()
         current.wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.out = self.fn()
+        collecting = gc.isenabled()
+        gc.disable()  # a garbage collection inside the capture could destroy another graph: capture invalidated
+        try:
+            with torch.cuda.graph(self.graph):
+                self.out = self.fn()
+        finally:
+            if collecting:
+                gc.enable()
         return result
 
 
