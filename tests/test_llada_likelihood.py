@@ -477,3 +477,33 @@ def test_elbo_scores_every_phase_on_the_same_masked_inputs():
     assert len(inputs) == 6 and all(torch.equal(a, b) for a, b in zip(inputs[:3], inputs[3:]))
     assert len({tuple(ids.flatten().tolist()) for ids in inputs[:3]}) == 3  # three different masks
     assert not torch.equal(rollout, train) and (rollout - train).abs().max() < 0.5
+
+
+def test_scorer_reads_the_elbo_entropy_where_it_reads_its_logps(model):
+    """DiffusionScorer's entropy for the ELBO: each forward weighted as its log-probs (masked tokens only)."""
+    from jetrl_trainer.diffusion.scoring import DiffusionScorer, diffusion_logps
+
+    prompt, prompt_mask, completion, completion_mask = batch()
+    ids, attn = torch.cat([prompt, completion], 1), torch.cat([prompt_mask, completion_mask], 1)
+    seeds = torch.full((ids.shape[0], 1), 5)
+    T = completion.shape[1]
+    with torch.no_grad():
+        logps, entropy = diffusion_logps(model, ids, attn, T, seeds, estimator=elbo_logps, gen_length=T,
+                                         mask_token_id=MASK, temperature=1.0, compute_entropy=True, n_mc=3)  # fmt: skip
+        masked, weight = elbo_masks(prompt, prompt_mask, completion, completion_mask, mask_seed=seeds[:, 0], n_mc=3)
+        expected = torch.zeros(completion.shape)
+        for m, w in zip(masked, weight):
+            noisy = completion.masked_fill(m | (completion_mask == 0), MASK)
+            logits = model(torch.cat([prompt, noisy], 1), attention_mask=torch.cat([prompt_mask, torch.ones_like(completion)], 1)).logits[:, -T:]
+            logp = torch.log_softmax(logits, -1)
+            expected += -(logp.exp() * logp).sum(-1) * m * w[:, None] / 3
+    torch.testing.assert_close(entropy[:, 0], expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logps[:, 0], elbo_logps(model, prompt, prompt_mask, completion, completion_mask,
+                                                       mask_seed=seeds[:, 0], n_mc=3))  # fmt: skip
+    assert (entropy[:, 0][completion_mask == 0] == 0).all()
+    scorer = DiffusionScorer(estimator="elbo", p_mask_prompt=0.3, n_mc=4, antithetic=True, gen_length=T,
+                             mask_token_id=MASK, temperature=1.0, seed=0, num_iterations=1)  # fmt: skip
+    assert scorer.estimator_options == dict(n_mc=4, antithetic=True)  # the ELBO never masks the prompt
+    with pytest.raises(ValueError, match="takes no antithetic, n_mc"):
+        DiffusionScorer(estimator="mean_field", p_mask_prompt=0.3, n_mc=4, antithetic=True, gen_length=T,
+                        mask_token_id=MASK, temperature=1.0, seed=0, num_iterations=1)  # fmt: skip
