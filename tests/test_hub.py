@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import yaml
 
@@ -73,3 +74,163 @@ def test_update_model_card_keeps_an_existing_card(tmp_path):
     meta = yaml.safe_load(text.split("---")[1])
     assert meta["tags"] == ["trl", "grpo", "jetrl"]
     assert "# My model" in text and "Some text." in text and "## Low-precision RL" in text
+
+
+# ---------------------------------------------------------------- FP8-block export
+
+
+def _fp8_policy(intermediate_size: int = 160, **quant):
+    from jetrl_trainer.tiny import build_tiny_qwen3
+
+    torch.manual_seed(0)
+    # Ragged blocks: 96 fills part of one 128-block, 160 one full block and part of another.
+    model = build_tiny_qwen3(dtype=torch.bfloat16, hidden_size=96, intermediate_size=intermediate_size, head_dim=24)
+    return quantize_model(model, **{"train": "fp8", "rollout": "fp8", **quant})
+
+
+def _rollout_logits(model, ids):
+    from jetrl_trainer.quant import precision_phase
+
+    with precision_phase("rollout"), torch.no_grad():
+        return model(ids).logits.float()
+
+
+def test_fp8_export_stores_the_rollout_weights_bit_for_bit(tmp_path):
+    import json
+
+    from safetensors.torch import load_file
+
+    from jetrl_trainer.hub import export_fp8_checkpoint, load_fp8_checkpoint
+    from jetrl_trainer.quant.testing import assert_bits_equal
+
+    model = _fp8_policy(keep_last_n_layers=1)
+    ids = torch.randint(0, model.config.vocab_size, (2, 7))
+    _rollout_logits(model, ids)  # fill the rollout's FP8 cache: the export must reuse it, not re-quantize
+    quant_config = export_fp8_checkpoint(model, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert config == quant_config
+    assert {k: config[k] for k in ("quant_method", "weight_block_size", "activation_scheme")} == {
+        "quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}  # fmt: skip
+    last = f"model.layers.{model.config.num_hidden_layers - 1}."
+    assert "lm_head" in config["modules_to_not_convert"]
+    assert any(m.startswith(last) for m in config["modules_to_not_convert"])  # keep_last_n_layers stayed BF16
+    state = load_file(tmp_path / "model.safetensors")
+    fp8 = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear) and m.recipes["rollout"].quantized}
+    assert fp8 and not any(n.startswith(last) for n in fp8)
+    for name, module in fp8.items():
+        q, s_inv = module.quantized_weight(module.recipes["rollout"])
+        assert state[f"{name}.weight"].dtype == torch.float8_e4m3fn
+        n, k = module.weight.shape
+        assert state[f"{name}.weight_scale_inv"].shape == (-(-n // 128), -(-k // 128))
+        assert_bits_equal(state[f"{name}.weight"], q)
+        assert_bits_equal(state[f"{name}.weight_scale_inv"], s_inv)
+    for name in config["modules_to_not_convert"]:  # BF16 master weights, untouched
+        assert_bits_equal(state[f"{name}.weight"], model.get_submodule(name).weight.detach())
+    assert_bits_equal(state["model.embed_tokens.weight"], model.model.embed_tokens.weight.detach())
+    _, pairs = load_fp8_checkpoint(tmp_path)  # our loader hands back the same pairs
+    assert pairs.keys() == fp8.keys()
+    for name, (q, s_inv) in pairs.items():
+        assert_bits_equal(q, state[f"{name}.weight"])
+        assert_bits_equal(s_inv, state[f"{name}.weight_scale_inv"])
+    card = (tmp_path / "README.md").read_text()
+    assert "FP8-block checkpoint" in card and "fp8" in card and "weight_block_size: [128, 128]" in card
+
+
+def test_fp8_export_loads_in_transformers_dequantized_on_cpu(tmp_path):
+    # Without an FP8 GEMM, transformers' FineGrainedFP8 dequantizes the checkpoint to BF16: the
+    # same weights as our loader's, and logits within the activation-quantization gap of the rollout's.
+    # transformers 5.24 derives the block from the scale grid (rows // scale_rows), which misreads a
+    # dimension with a partial block after full ones (160 = 128 + 32): sizes here avoid that (docs/vllm.md).
+    from transformers import AutoModelForCausalLM
+
+    from jetrl_trainer.hub import export_fp8_checkpoint, load_fp8_checkpoint
+
+    model = _fp8_policy(intermediate_size=256)
+    export_fp8_checkpoint(model, tmp_path)
+    ids = torch.randint(0, model.config.vocab_size, (2, 9))
+    rollout = _rollout_logits(model, ids)
+    ours, _ = load_fp8_checkpoint(tmp_path)
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path)
+    with torch.no_grad():
+        ours_logits, theirs_logits = ours(ids).logits.float(), theirs(ids).logits.float()
+    assert torch.equal(ours_logits, theirs_logits)
+    gap = (theirs_logits - rollout).abs().max().item()
+    assert 0 < gap < 0.25, gap  # BF16 activations here, 1x128 FP8 activations in the rollout
+    bf16 = _rollout_logits(_fp8_policy(intermediate_size=256, rollout="bf16"), ids)  # the master weights, unquantized
+    assert (theirs_logits - bf16).abs().max() > 0  # it really holds the FP8 weights
+
+
+def test_fp8_export_refuses_what_it_cannot_write(tmp_path):
+    from jetrl_trainer.hub import export_fp8_checkpoint
+    from jetrl_trainer.tiny import build_tiny_qwen3
+
+    with pytest.raises(ValueError, match="NVFP4 export is not supported"):
+        export_fp8_checkpoint(_fp8_policy(rollout="nvfp4"), tmp_path)
+    with pytest.raises(ValueError, match="no FP8 rollout layers.*quantize_model"):
+        export_fp8_checkpoint(build_tiny_qwen3(), tmp_path)
+    with pytest.raises(ValueError, match="no FP8 rollout layers"):
+        export_fp8_checkpoint(_fp8_policy(rollout="bf16"), tmp_path)
+
+
+def test_fp8_export_refuses_a_peft_model(tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    from jetrl_trainer.hub import export_fp8_checkpoint
+
+    model = get_peft_model(_fp8_policy(), LoraConfig(r=4, target_modules=["q_proj"]))
+    with pytest.raises(ValueError, match="merge_and_unload"):
+        export_fp8_checkpoint(model, tmp_path)
+
+
+def test_push_to_hub_fp8_uploads_the_exported_folder(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    from jetrl_trainer.hub import push_to_hub
+
+    uploads = []
+
+    class FakeApi:  # no network: record what would be uploaded
+        def __init__(self, token=None):
+            pass
+
+        def create_repo(self, repo_id, private=None, exist_ok=False):
+            pass
+
+        def upload_folder(self, repo_id, folder_path, commit_message):
+            import os
+
+            uploads.append((repo_id, sorted(os.listdir(folder_path)), commit_message,
+                            open(os.path.join(folder_path, "config.json")).read()))  # fmt: skip
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
+    push_to_hub(_fp8_policy(), "me/tiny-fp8", fp8=True, args=_args(rollout_precision="fp8"))
+    push_to_hub(_fp8_policy(), "me/tiny", fp8=False)
+    (repo, files, message, config), (_, plain_files, _, plain_config) = uploads
+    assert repo == "me/tiny-fp8" and "FP8" in message
+    assert {"config.json", "model.safetensors", "README.md"} <= set(files)
+    assert '"quant_method": "fp8"' in config and "quantization_config" not in plain_config
+    assert "model.safetensors" in plain_files
+
+
+@pytest.mark.gpu
+def test_fp8_export_runs_in_transformers_finegrained_fp8_on_gpu(tmp_path):
+    # On the GPU, transformers keeps the checkpoint in FP8 (its FP8Linear, real FP8 GEMMs) instead of
+    # dequantizing it; its logits must stay close to our rollout phase's on the same weights.
+    from transformers import AutoModelForCausalLM
+
+    from jetrl_trainer.hub import export_fp8_checkpoint
+    from jetrl_trainer.tiny import build_tiny_qwen3
+
+    torch.manual_seed(0)
+    model = quantize_model(build_tiny_qwen3(dtype=torch.bfloat16).cuda(), train="fp8", rollout="fp8")
+    export_fp8_checkpoint(model, tmp_path)
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), device="cuda")
+    rollout = _rollout_logits(model, ids)
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path, device_map="cuda")
+    fp8_layers = [m for m in theirs.modules() if getattr(getattr(m, "weight", None), "dtype", None) == torch.float8_e4m3fn]
+    assert len(fp8_layers) == sum(isinstance(m, QuantLinear) for m in model.modules())  # not dequantized
+    with torch.no_grad():
+        logits = theirs(ids).logits.float()
+    gap = (logits - rollout).abs().max().item()
+    print(f"transformers FineGrainedFP8 vs rollout phase: max |dlogit| = {gap:.4g}")
+    assert gap < 0.1, gap
