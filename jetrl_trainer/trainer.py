@@ -19,8 +19,9 @@ How this departs from TRL 1.16's `GRPOTrainer`:
 
 * the policy's ``nn.Linear`` layers become `QuantLinear` at init (`quantize_model`); the reference
   model, when there is one, is quantized with the *training* recipe in both phases;
-* every backend returns the sampling log-probs (TRL returns them only from vLLM, which is refused
-  here since it would not run our quantized modules);
+* every backend returns the sampling log-probs (TRL returns them only from vLLM). vLLM itself
+  (``rollout_backend="vllm"``) goes through TRL's own generation and weight sync, with our corrector
+  in place of TRL's vLLM importance-sampling correction (`jetrl_trainer.rollout.vllm_backend`);
 * the corrector weights go into TRL's own importance-sampling slot: ``_compute_loss`` multiplies
   the per-token surrogate by ``inputs["importance_sampling_ratio"]`` after clipping and before the
   KL term, for every ``loss_type`` (VESPO folds it into its gamma weights, as TRL does);
@@ -63,7 +64,7 @@ from jetrl_trainer.diffusion import is_diffusion_model
 from jetrl_trainer.diffusion.lora import check_lora_targets, resolve_lora_preset
 from jetrl_trainer.hub import update_model_card
 from jetrl_trainer.quant import precision_phase, quantize_model
-from jetrl_trainer.rollout import Rollout
+from jetrl_trainer.rollout import Rollout, VLLMSampling
 
 __all__ = ["JetGRPOTrainer"]
 
@@ -85,8 +86,8 @@ class JetGRPOTrainer(GRPOTrainer):
     ``training_step``, ``create_optimizer``, ``log``, ``_get_output_dir``, ``_save_checkpoint``,
     ``_push_from_checkpoint``, ``_save`` and ``create_model_card``; everything else is inherited.
 
-    Not supported: vLLM (refused by the config), multimodal prompts; tools and environments with a
-    diffusion LM.
+    Not supported: FP8 rollouts in vLLM and vLLM server mode on CPU (refused by the config),
+    multimodal prompts; tools and environments with a diffusion LM.
     """
 
     _tag_names = ["trl", "grpo", "jetrl"]
@@ -107,6 +108,7 @@ class JetGRPOTrainer(GRPOTrainer):
         if not isinstance(model, str) and is_diffusion_model(model):  # before TRL's init applies LoRA
             _check_diffusion_kwargs(kwargs)
         check_datasets(kwargs.get("train_dataset"), kwargs.get("eval_dataset"))
+        _check_vllm_model(model, args)
         super().__init__(model, reward_funcs, args=args, **kwargs)
         if self._is_vlm:
             raise ValueError("JetGRPOTrainer supports text-only models; multimodal processors are not supported.")
@@ -160,6 +162,10 @@ class JetGRPOTrainer(GRPOTrainer):
         if images or multimodal_fields or has_tool_images:
             raise ValueError("JetGRPOTrainer supports text-only rollouts; got images or multimodal fields.")
         backend = self.rollout_backend
+        if backend.name == "vllm":  # vLLM samples its own, synced copy: no phase, no unwrapping
+            rollout = backend.generate(self.model, prompt_ids, VLLMSampling(num_generations))
+            self._note_logprob_source(rollout)
+            return rollout.completion_ids, rollout.logprobs
         with (
             precision_phase("rollout"),
             unwrap_model_for_generation(
@@ -365,6 +371,18 @@ def _attributes(obj: Any, **values: Any) -> Iterator[None]:
     finally:
         for name, value in saved.items():
             setattr(obj, name, value)
+
+
+def _check_vllm_model(model: Any, args: JetGRPOConfig) -> None:
+    """vLLM colocate loads the model from ``model.name_or_path`` (TRL's LLM(...)): refuse an in-memory one."""
+    if not args.use_vllm or args.vllm_mode != "colocate" or isinstance(model, str):
+        return
+    if not getattr(model, "name_or_path", ""):
+        raise ValueError(
+            "vllm_mode='colocate' starts vLLM from model.name_or_path, and this model has none (built in memory). "
+            "Save it first (model.save_pretrained(path); tokenizer.save_pretrained(path)) and pass the path or the "
+            "reloaded model."
+        )
 
 
 def _check_diffusion_kwargs(kwargs: dict[str, Any]) -> None:

@@ -66,8 +66,7 @@ def test_config_field_validates_once(tmp_path):
     assert make_args(tmp_path, rollout_backend="continuous").use_transformers_continuous_batching
     with pytest.raises(ValueError, match="rollout_backend must be one of"):
         make_args(tmp_path, rollout_backend="sglang")
-    with pytest.raises(ValueError, match="rollout_backend='vllm' is not available in this release"):
-        make_args(tmp_path, rollout_backend="vllm")
+    assert make_args(tmp_path, rollout_backend="vllm", rollout_precision="bf16").use_vllm  # tests/test_vllm*.py
     assert make_args(tmp_path, rollout_backend="engine", rollout_kv_cache_tokens=64).rollout_kv_cache_tokens == 64
     for bad in (0, -3, 2.5, True):
         with pytest.raises(ValueError, match="rollout_kv_cache_tokens must be a positive integer"):

@@ -7,6 +7,8 @@ A backend is ``generate(model, prompt_ids, sampling) -> Rollout`` (`RolloutBacke
   `SampledLogprobRecorder` under the distribution actually sampled from.
 * `ContinuousBatchingBackend` (``"continuous"``) — transformers continuous batching; log-probs from
   its engine.
+* `VLLMBackend` (``"vllm"``) — TRL's vLLM generation and weight sync (colocate or server); the
+  processed log-probs come from vLLM (`jetrl_trainer.rollout.vllm_backend`, docs/vllm.md).
 * ``"diffusion"`` — the LLaDA sampler, `jetrl_trainer.diffusion.rollout.DiffusionBackend`.
 
 Each runs in the active precision phase; the trainer wraps it in ``precision_phase("rollout")``.
@@ -18,6 +20,7 @@ from .base import ROLLOUT_BACKENDS, Rollout, RolloutBackend
 from .continuous import ContinuousBatchingBackend, generate_batch_with_logprobs, phase_around_forward
 from .hf_generate import HFGenerateBackend, generate_with_logprobs, left_pad, truncate_after_eos
 from .sampling import SampledLogprobRecorder, processed_logprobs, sampling_warpers, split_sampling_config
+from .vllm_backend import VLLMBackend, VLLMSampling
 
 __all__ = [
     "ROLLOUT_BACKENDS",
@@ -34,4 +37,6 @@ __all__ = [
     "sampling_warpers",
     "split_sampling_config",
     "truncate_after_eos",
+    "VLLMBackend",
+    "VLLMSampling",
 ]
