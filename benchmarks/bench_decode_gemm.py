@@ -9,8 +9,8 @@ Per shape and M (rows = live sequences at a decode step), in one process:
 * ``fp8_decode_prequant``: the same kernel on an activation already quantized (what a fused
   RMSNorm / SwiGLU producer hands over);
 * ``fp8_rollout``: what a rollout-phase ``QuantLinear`` runs now for an unquantized activation
-  (``quant._dispatch.decode_linear_fp8``: the prologue up to ``PROLOGUE_MAX_M``, else act quant +
-  the prequantized kernel; the general path above ``DECODE_MAX_M``).
+  (``quant._dispatch.decode_linear_fp8``: act quant + the prequantized kernel, or the prologue up
+  to ``PROLOGUE_MAX_M``; the general path above ``DECODE_MAX_M``).
 
 Times are CUDA-graph replays of 20 back-to-back calls (launch gaps removed, as inside the engine's
 graphs). ``bw_frac`` = (weight bytes + activation in + output out) / time over the measured copy
@@ -44,6 +44,12 @@ def _general(x, w_q, w_s):
     return fp8_gemm_nt(act_quant_fp8(x), (w_q, w_s), b_granularity="block", out_dtype=x.dtype)
 
 
+def _rollout(x, w_q, w_s):
+    """What a rollout-phase QuantLinear runs (no bias, no fused producer)."""
+    y = decode_linear_fp8(x, w_q, w_s, None, "fp32", x.dtype)
+    return y if y is not None else _general(x, w_q, w_s)
+
+
 def measure(m: int, n: int, k: int, gbs: float) -> dict:
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -55,7 +61,7 @@ def measure(m: int, n: int, k: int, gbs: float) -> dict:
         ("fp8_general", lambda: _general(x, w_q, w_s), n * k),
         ("fp8_decode", lambda: dg.fp8_decode_linear(x, w_q, w_s), n * k),
         ("fp8_decode_prequant", lambda: dg.fp8_decode_gemm_nt(x_q, x_s, w_q, w_s), n * k),
-        ("fp8_rollout", lambda: decode_linear_fp8(x, w_q, w_s, None, "fp32", x.dtype), n * k),
+        ("fp8_rollout", lambda: _rollout(x, w_q, w_s), n * k),
     ):
         ms = bench_graph_ms(fn)
         moved = wbytes + 2 * m * k + 2 * m * n

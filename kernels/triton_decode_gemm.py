@@ -47,9 +47,11 @@ DECODE_MAX_M = 64
 # activation, Qwen3-8B shapes): BLOCK_N weight rows per program; WAVES programs per SM that the K split
 # aims for; SWAP (W as the MMA's M operand) wins while the M tile is below 64 rows; warps; stages.
 LAUNCH = dict(BLOCK_N=64, WAVES=2, SWAP_BELOW_M=64, num_warps=4, num_stages=3)
-# Up to this M the activation is quantized in the GEMM's prologue; above it every N tile re-quantizing
-# its K slice costs more than one act-quant launch plus the prequantized GEMM (measured at M = 64).
-PROLOGUE_MAX_M = 16
+# Up to this M a QuantLinear quantizes the activation in the GEMM's prologue. 0: never. Every N tile
+# re-quantizes its K slice, so on the H200 the prologue was slower than one act-quant launch plus
+# the prequantized GEMM at every decode M measured (1 to 64, Qwen3-8B shapes); it stays available
+# (``fp8_decode_linear``, bit-identical) for GPUs or shapes where that differs.
+PROLOGUE_MAX_M = 0
 REDUCE_BLOCK = 1024
 
 

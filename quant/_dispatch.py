@@ -51,8 +51,8 @@ def decode_linear_fp8(
     """A decode-sized FP8 linear (M <= ``DECODE_MAX_M`` rows) through the split-K decode kernel, or
     None where the general path (act quant + ``fp8_gemm_nt``) must run: off CUDA, without the
     kernel, for larger M, or when a GEMM backend is forced. The activation's quantization is the one
-    a fused producer offered, else computed in the kernel's prologue (M <= ``PROLOGUE_MAX_M``) or by
-    the act-quant kernel; all three give the same bits."""
+    a fused producer offered, else computed by the act-quant kernel or in the GEMM's prologue
+    (M <= ``PROLOGUE_MAX_M``, off by default); all three give the same bits."""
     if not x2d.is_cuda or not kernels.triton_enabled() or kernels.gemm_backend_forced() is not None:
         return None
     module = kernels.optional_module("triton_decode_gemm")
