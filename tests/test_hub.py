@@ -212,12 +212,7 @@ def test_push_to_hub_fp8_uploads_the_exported_folder(tmp_path, monkeypatch):
     assert "model.safetensors" in plain_files
 
 
-@pytest.mark.gpu
-def test_fp8_export_runs_in_transformers_finegrained_fp8_on_gpu(tmp_path):
-    # On the GPU, transformers keeps the checkpoint in FP8 (its FP8Linear, real FP8 GEMMs) instead of
-    # dequantizing it; its logits must stay close to our rollout phase's on the same weights.
-    from transformers import AutoModelForCausalLM
-
+def _gpu_export(tmp_path):
     from jetrl_trainer.hub import export_fp8_checkpoint
     from jetrl_trainer.tiny import build_tiny_qwen3
 
@@ -225,12 +220,39 @@ def test_fp8_export_runs_in_transformers_finegrained_fp8_on_gpu(tmp_path):
     model = quantize_model(build_tiny_qwen3(dtype=torch.bfloat16).cuda(), train="fp8", rollout="fp8")
     export_fp8_checkpoint(model, tmp_path)
     ids = torch.randint(0, model.config.vocab_size, (2, 9), device="cuda")
-    rollout = _rollout_logits(model, ids)
+    return model, ids, _rollout_logits(model, ids)  # our rollout phase: real FP8 GEMMs on the GPU
+
+
+@pytest.mark.gpu
+def test_fp8_export_loads_in_transformers_finegrained_fp8_on_gpu_dequantized(tmp_path):
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config
+
+    _, ids, rollout = _gpu_export(tmp_path)
+    theirs = AutoModelForCausalLM.from_pretrained(
+        tmp_path, device_map="cuda", quantization_config=FineGrainedFP8Config(dequantize=True)
+    )
+    with torch.no_grad():
+        logits = theirs(ids).logits.float()
+    gap = (logits - rollout).abs().max().item()
+    print(f"transformers FineGrainedFP8 (dequantized, GPU) vs rollout phase: max |dlogit| = {gap:.4g}")
+    assert 0 < gap < 0.1, gap  # BF16 activations there, 1x128 FP8 activations in our rollout
+
+
+@pytest.mark.gpu
+def test_fp8_export_runs_in_transformers_finegrained_fp8_on_gpu(tmp_path):
+    # Kept in FP8 (FP8Linear): transformers takes its FP8 GEMM from the `kernels` package, which
+    # fetches the kernel from the Hub at run time; skipped where that package is missing (offline).
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import is_kernels_available
+
+    if not is_kernels_available():
+        pytest.skip("transformers' FP8 GEMM needs the `kernels` package (it downloads the kernel from the Hub)")
+    model, ids, rollout = _gpu_export(tmp_path)
     theirs = AutoModelForCausalLM.from_pretrained(tmp_path, device_map="cuda")
     fp8_layers = [m for m in theirs.modules() if getattr(getattr(m, "weight", None), "dtype", None) == torch.float8_e4m3fn]
     assert len(fp8_layers) == sum(isinstance(m, QuantLinear) for m in model.modules())  # not dequantized
     with torch.no_grad():
         logits = theirs(ids).logits.float()
     gap = (logits - rollout).abs().max().item()
-    print(f"transformers FineGrainedFP8 vs rollout phase: max |dlogit| = {gap:.4g}")
+    print(f"transformers FineGrainedFP8 (FP8 GEMMs) vs rollout phase: max |dlogit| = {gap:.4g}")
     assert gap < 0.1, gap

