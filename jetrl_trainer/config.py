@@ -21,6 +21,7 @@ from trl import GRPOConfig
 
 # Every set of allowed values is defined once, in jetrl_trainer/_choices.py.
 from jetrl_trainer._choices import (
+    KV_CACHE_DTYPES,
     NVFP4_BACKWARDS as _NVFP4_BACKWARDS,
     PRECISIONS,
     REMASKINGS as _REMASKINGS,
@@ -135,6 +136,11 @@ class JetGRPOConfig(GRPOConfig):
             `rollout_backend="engine"` only: KV-cache budget in tokens. At most this // (longest prompt
             + `max_completion_length`) sequences decode at once; the others wait for the slot of a
             finished one. The cache is freed after each rollout. `None` = every sequence at once.
+        rollout_kv_cache_dtype (`str`, *optional*, defaults to `"auto"`):
+            `rollout_backend="engine"` only: `"auto"` keeps keys/values in the model dtype; `"fp8"` stores
+            them in FP8 E4M3 with one FP32 scale per token and KV head (about half the cache memory and
+            attention bytes). The rollout then departs from the training forward, so it is refused in the
+            unified flow (`train_precision == rollout_precision`) and needs a corrector.
         diffusion_steps (`int`, *optional*):
             Diffusion LMs (LLaDA) only: denoising steps per completion, a multiple of the number of
             blocks. `None` = `max_completion_length // 2` (two tokens per step, as d1).
@@ -293,6 +299,16 @@ class JetGRPOConfig(GRPOConfig):
             "is freed after each rollout. None = every sequence of the generation batch at once."
         },
     )
+    rollout_kv_cache_dtype: str = field(
+        default="auto",
+        metadata={
+            "help": "rollout_backend='engine' only: 'auto' keeps the KV cache in the model dtype; 'fp8' stores keys "
+            "and values in FP8 E4M3 with one FP32 scale per token and KV head (about half the cache memory and "
+            "attention bytes). It departs from the training forward: refused in the unified flow (train_precision "
+            "== rollout_precision), and needs a corrector to manage the mismatch.",
+            "choices": list(KV_CACHE_DTYPES),
+        },
+    )
     diffusion_steps: int | None = field(
         default=None,
         metadata={
@@ -373,6 +389,7 @@ class JetGRPOConfig(GRPOConfig):
         if isinstance(self.corrector, str):
             self.corrector = self.corrector.strip().lower()
         self._check_corrector()
+        self._check_kv_cache_dtype()
         self._check_sampling()
         limit = self.max_nonfinite_reward_batches
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
@@ -464,6 +481,29 @@ class JetGRPOConfig(GRPOConfig):
             raise ValueError(
                 f"use_transformers_continuous_batching=True contradicts rollout_backend={self.rollout_backend!r}; "
                 "set rollout_backend='continuous' (or 'auto') and leave the flag, or unset the flag."
+            )
+
+    def _check_kv_cache_dtype(self) -> None:
+        self.rollout_kv_cache_dtype = _check_choice("rollout_kv_cache_dtype", self.rollout_kv_cache_dtype, KV_CACHE_DTYPES)
+        if self.rollout_kv_cache_dtype == "auto":
+            return
+        if self.rollout_backend != "engine":
+            raise ValueError(
+                f"rollout_kv_cache_dtype={self.rollout_kv_cache_dtype!r} is the decode engine's cache format; set "
+                f"rollout_backend='engine' (got {self.rollout_backend!r}) or leave rollout_kv_cache_dtype='auto'."
+            )
+        if self.train_precision == self.rollout_precision:
+            raise ValueError(
+                "rollout_kv_cache_dtype='fp8' makes rollouts attend over FP8 keys/values that the training forward "
+                f"never sees, which breaks the unified precision flow (train_precision = rollout_precision = "
+                f"{self.train_precision!r}) whose point is that rollouts are the training forward. Keep "
+                "rollout_kv_cache_dtype='auto' here, or manage the mismatch instead: rollout_precision different from "
+                "train_precision and a corrector (e.g. corrector='ais')."
+            )
+        if not self.corrector_active:
+            raise ValueError(
+                "rollout_kv_cache_dtype='fp8' adds a rollout/training mismatch; set a corrector to manage it (e.g. "
+                "corrector='ais' or 'tis'), or leave rollout_kv_cache_dtype='auto'."
             )
 
     def _check_vllm(self) -> None:

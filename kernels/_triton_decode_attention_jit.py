@@ -2,7 +2,8 @@
 
 Phase 1, one program per (row, KV head, split): the G query heads that share the KV head attend
 to the split's live positions with an online softmax; it writes its running max ``m``, sum ``l``
-and unnormalized output ``acc`` in FP32. Positions past the row's length are never loaded.
+and unnormalized output ``acc`` in FP32. Positions past the row's length are never loaded. ``KV_FP8``: FP8 caches with one FP32 scale per
+(slot, KV head, position), dequantized to the query dtype as they are loaded.
 Phase 2, one program per (row, query head): rescales and sums the splits.
 """
 
@@ -12,15 +13,16 @@ import triton.language as tl
 
 @triton.jit
 def decode_attention_split_kernel(
-    q_ptr, k_ptr, v_ptr, slots_ptr, lengths_ptr, m_ptr, l_ptr, acc_ptr,
+    q_ptr, k_ptr, v_ptr, slots_ptr, lengths_ptr, m_ptr, l_ptr, acc_ptr, ks_ptr, vs_ptr,
     scale,
     stride_qb, stride_qh,
     stride_ks, stride_kh, stride_kt,
     stride_vs, stride_vh, stride_vt,
     stride_mb, stride_mh,
     stride_ab, stride_ah, stride_as,
+    stride_ss, stride_sh,
     GROUPS: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
 ):  # fmt: skip
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     length = tl.load(lengths_ptr + b).to(tl.int32)
@@ -37,12 +39,16 @@ def decode_attention_split_kernel(
     acc = tl.zeros((G_PAD, D), tl.float32)
     k_base = k_ptr + slot * stride_ks + kvh * stride_kh
     v_base = v_ptr + slot * stride_vs + kvh * stride_vh
+    scale_base = slot * stride_ss + kvh * stride_sh  # FP8 caches: one scale per (position, KV head)
     for i in range(TILES):  # static trip count (a loaded bound cannot drive a loop in the interpreter)
         t0 = start + i * BLOCK_N
         if t0 < end:  # tiles past the row's length are skipped: their KV is never read
             t = t0 + tl.arange(0, BLOCK_N)
             t_ok = t < end
             k = tl.load(k_base + t[:, None] * stride_kt + d[None, :], mask=t_ok[:, None], other=0.0)
+            if KV_FP8:  # dequantized to the query dtype, as KVCache.read does for the reference
+                k_s = tl.load(ks_ptr + scale_base + t, mask=t_ok, other=0.0)
+                k = (k.to(tl.float32) * k_s[:, None]).to(q.dtype)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (G_PAD, BLOCK_N), FP32; scaled after
             s = tl.where(t_ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -50,6 +56,9 @@ def decode_attention_split_kernel(
             p = tl.exp(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             v = tl.load(v_base + t[:, None] * stride_vt + d[None, :], mask=t_ok[:, None], other=0.0)
+            if KV_FP8:
+                v_s = tl.load(vs_ptr + scale_base + t, mask=t_ok, other=0.0)
+                v = (v.to(tl.float32) * v_s[:, None]).to(q.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
     row = b * stride_mb + heads * stride_mh + split

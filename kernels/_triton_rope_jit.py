@@ -3,11 +3,15 @@
 One program per (row, head) over ``H`` query heads then ``H_kv`` key/value heads. Each op rounds to
 the tensor dtype exactly where transformers' eager ``(x * cos) + (rotate_half(x) * sin)`` rounds
 (a product of two BF16 values is exact in FP32, so FP32 math rounded once per op is those ops), so
-the rotated query and key are the same bits as ``apply_rotary_pos_emb``.
+the rotated query and key are the same bits as ``apply_rotary_pos_emb``. ``KV_FP8`` stores key and
+value as FP8 with one scale per head vector, quantized from those model-dtype values exactly as
+``quantize_fp8_groups(x, group=D)`` (the ``_triton_quant_jit`` functions).
 """
 
 import triton
 import triton.language as tl
+
+from jetrl_trainer.kernels._triton_quant_jit import _amax, _fp8_bits, _scale_from_amax
 
 
 @triton.jit
@@ -20,11 +24,23 @@ def _rotate(x_ptr, cos, sin, d, HALF: tl.constexpr):
 
 
 @triton.jit
+def _store_kv(cache_ptr, scale_ptr, x, d, KV_FP8: tl.constexpr):
+    if KV_FP8:  # one group per head vector, as a (1, D) tile so the scale is a (1,) tensor
+        xf = x.to(tl.float32)[None, :]
+        scale = _scale_from_amax(_amax(xf, 1), False)
+        tl.store(cache_ptr + d[None, :], _fp8_bits(xf, scale[:, None]))  # the cache through a uint8 view
+        tl.store(scale_ptr + tl.arange(0, 1), scale)
+    else:
+        tl.store(cache_ptr + d, x)
+
+
+@triton.jit
 def rope_append_kernel(
     q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, positions_ptr,
+    k_scale_ptr, v_scale_ptr,
     stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_cb, stride_sb, stride_ob, stride_oh,
-    stride_kcs, stride_kch, stride_kct, stride_vcs, stride_vch, stride_vct,
-    H: tl.constexpr, D: tl.constexpr,
+    stride_kcs, stride_kch, stride_kct, stride_vcs, stride_vch, stride_vct, stride_ss, stride_sh,
+    H: tl.constexpr, D: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -39,6 +55,7 @@ def rope_append_kernel(
         slot = tl.load(slots_ptr + b).to(tl.int64)
         pos = tl.load(positions_ptr + b).to(tl.int64)
         k = _rotate(k_ptr + b * stride_kb + kv * stride_kh, cos, sin, d, D // 2)
-        tl.store(k_cache_ptr + slot * stride_kcs + kv * stride_kch + pos * stride_kct + d, k)
         v = tl.load(v_ptr + b * stride_vb + kv * stride_vh + d)
-        tl.store(v_cache_ptr + slot * stride_vcs + kv * stride_vch + pos * stride_vct + d, v)
+        scale_at = slot * stride_ss + kv * stride_sh + pos  # scales: (S, H_kv, T), unit stride along T
+        _store_kv(k_cache_ptr + slot * stride_kcs + kv * stride_kch + pos * stride_kct, k_scale_ptr + scale_at, k, d, KV_FP8)
+        _store_kv(v_cache_ptr + slot * stride_vcs + kv * stride_vch + pos * stride_vct, v_scale_ptr + scale_at, v, d, KV_FP8)

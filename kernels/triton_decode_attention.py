@@ -22,10 +22,13 @@ rounded to the cache dtype, as flash attention does).
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
 from ._triton_support import call_op, cdiv, load_jit
+from .triton_rope_append import check_kv_scales
 
 __all__ = ["decode_attention", "decode_attention_reference"]
 
@@ -33,11 +36,17 @@ BLOCK_N = 32
 
 
 def decode_attention_reference(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, lengths: Tensor, scale: float
-) -> Tensor:
-    """Pure torch, FP32: softmax(q·kᵀ·scale over the live positions)·v per row and head."""
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, lengths: Tensor, scale: float,
+    k_scale: Optional[Tensor] = None, v_scale: Optional[Tensor] = None,
+) -> Tensor:  # fmt: skip
+    """Pure torch, FP32: softmax(q·kᵀ·scale over the live positions)·v per row and head (FP8 caches
+    dequantized to the query dtype first, as the kernel does)."""
     B, H, D = q.shape
-    k, v = k_cache[slots].float(), v_cache[slots].float()  # (B, H_kv, T, D)
+    k, v = k_cache[slots], v_cache[slots]  # (B, H_kv, T, D)
+    if k_scale is not None:
+        k = (k.float() * k_scale[slots][..., None]).to(q.dtype)
+        v = (v.float() * v_scale[slots][..., None]).to(q.dtype)
+    k, v = k.float(), v.float()
     groups = H // k.shape[1]
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     scores = torch.einsum("bhd,bhtd->bht", q.float(), k) * scale
@@ -48,7 +57,8 @@ def decode_attention_reference(
 
 @torch.library.custom_op("jetrl::decode_attention", mutates_args=(), device_types="cuda")
 def _decode_attention_op(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, lengths: Tensor, scale: float, splits: int
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, lengths: Tensor, scale: float, splits: int,
+    k_scale: Optional[Tensor], v_scale: Optional[Tensor],
 ) -> Tensor:
     jit = load_jit("_triton_decode_attention_jit")
     B, H, D = q.shape
@@ -59,14 +69,16 @@ def _decode_attention_op(
     l = torch.empty_like(m)
     acc = torch.empty((B, H, splits, D), dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
+    fp8 = k_scale is not None
     jit.decode_attention_split_kernel[(B, h_kv, splits)](
-        q, k_cache, v_cache, slots, lengths, m, l, acc, scale,
+        q, k_cache, v_cache, slots, lengths, m, l, acc, k_scale if fp8 else m, v_scale if fp8 else m, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), m.stride(0), m.stride(1),
         acc.stride(0), acc.stride(1), acc.stride(2),
+        k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0,
         GROUPS=groups, G_PAD=max(16, 1 << (groups - 1).bit_length()), D=D, BLOCK_N=BLOCK_N, TILES=tiles,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # FP32 caches: no silent TF32
-        num_warps=4,
+        KV_FP8=fp8, num_warps=4,
     )  # fmt: skip
     jit.decode_attention_reduce_kernel[(B, H)](
         m, l, acc, out, m.stride(0), m.stride(1), acc.stride(0), acc.stride(1), acc.stride(2),
@@ -77,14 +89,18 @@ def _decode_attention_op(
 
 
 @_decode_attention_op.register_fake
-def _(q, k_cache, v_cache, slots, lengths, scale, splits):
+def _(q, k_cache, v_cache, slots, lengths, scale, splits, k_scale, v_scale):
     return torch.empty_like(q)
 
 
 def decode_attention(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, lengths: Tensor, scale: float, *, splits: int = 8
-) -> Tensor:
-    """Attention of ``q`` ``(B, H, D)`` over each row's live cached positions; see the module table."""
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, lengths: Tensor, scale: float, *, splits: int = 8,
+    k_scale: Optional[Tensor] = None, v_scale: Optional[Tensor] = None,
+) -> Tensor:  # fmt: skip
+    """Attention of ``q`` ``(B, H, D)`` over each row's live cached positions; see the module table.
+
+    FP8 caches (``float8_e4m3fn``) come with ``k_scale`` / ``v_scale`` ``(S, H_kv, T)``, one FP32 scale
+    per position and KV head (the engine's ``KVCache(fp8=True)``)."""
     if q.device.type != "cuda":
         raise ValueError("decode_attention is a CUDA kernel; on CPU use decode_attention_reference.")
     B, H, D = q.shape
@@ -94,6 +110,8 @@ def decode_attention(
     if H % k_cache.shape[1] or D & (D - 1) or D < 16:
         raise ValueError(f"need H % H_kv == 0 and a power-of-two head_dim >= 16; got H={H}, "
                          f"H_kv={k_cache.shape[1]}, D={D}.")  # fmt: skip
-    if q.dtype != k_cache.dtype or q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError("q and the caches must share a dtype and have unit stride along head_dim.")
-    return call_op(_decode_attention_op, q, k_cache, v_cache, slots, lengths, float(scale), int(splits))
+    check_kv_scales(k_cache, v_cache, k_scale, v_scale)
+    fp8 = k_scale is not None
+    if (not fp8 and q.dtype != k_cache.dtype) or q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("q and the caches (unless FP8) must share a dtype and have unit stride along head_dim.")
+    return call_op(_decode_attention_op, q, k_cache, v_cache, slots, lengths, float(scale), int(splits), k_scale, v_scale)

@@ -13,49 +13,65 @@ operand                shape / layout                                 dtype
 ``cos``, ``sin``       [B, D] (HF rotary output at each row's position)  same
 ``k_cache, v_cache``   [S, H_kv, T, D], unit stride along D           same (written)
 ``slots``, ``positions``  [B] int                                     -
+``k_scale, v_scale``   [S, H_kv, T] contiguous, only for FP8 caches   fp32 (written)
 output                 rotated ``q`` [B, H, D], contiguous            same
 =====================  ============================================  ==================
+
+With FP8 caches (``float8_e4m3fn``, with their scales) the rotated key and the value are stored
+quantized, one scale per head vector: ``quantize_fp8_groups(x, group=D)`` of the model-dtype value.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 from torch import Tensor
 
 from ._triton_support import call_op, load_jit
 
-__all__ = ["rope_append"]
+__all__ = ["check_kv_scales", "rope_append"]
+
+_FP8 = torch.float8_e4m3fn
 
 
-@torch.library.custom_op("jetrl::rope_append", mutates_args=("k_cache", "v_cache"), device_types="cuda")
+@torch.library.custom_op(
+    "jetrl::rope_append", mutates_args=("k_cache", "v_cache", "k_scale", "v_scale"), device_types="cuda"
+)
 def _rope_append_op(
     q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
-    slots: Tensor, positions: Tensor,
+    slots: Tensor, positions: Tensor, k_scale: Optional[Tensor], v_scale: Optional[Tensor],
 ) -> Tensor:  # fmt: skip
     jit = load_jit("_triton_rope_jit")
     B, H, D = q.shape
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if B == 0:
         return out
+    fp8 = k_scale is not None
+    caches = (k_cache.view(torch.uint8), v_cache.view(torch.uint8)) if fp8 else (k_cache, v_cache)
+    scales = (k_scale, v_scale) if fp8 else (out, out)  # unused pointers when not FP8
     jit.rope_append_kernel[(B, H + k.shape[1])](
-        q, k, v, cos, sin, out, k_cache, v_cache, slots, positions,
+        q, k, v, cos, sin, out, *caches, slots, positions, *scales,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0),
         out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), H=H, D=D, num_warps=1, enable_fp_fusion=False,
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0,
+        H=H, D=D, KV_FP8=fp8, num_warps=1, enable_fp_fusion=False,
     )  # fmt: skip
     return out
 
 
 @_rope_append_op.register_fake
-def _(q, k, v, cos, sin, k_cache, v_cache, slots, positions):
+def _(q, k, v, cos, sin, k_cache, v_cache, slots, positions, k_scale, v_scale):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
 def rope_append(
     q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
-    slots: Tensor, positions: Tensor,
+    slots: Tensor, positions: Tensor, *, k_scale: Optional[Tensor] = None, v_scale: Optional[Tensor] = None,
 ) -> Tensor:  # fmt: skip
-    """Rotated ``q``; writes rotated ``k`` and ``v`` at ``[slots[b], :, positions[b]]`` of the caches."""
+    """Rotated ``q``; writes rotated ``k`` and ``v`` at ``[slots[b], :, positions[b]]`` of the caches
+    (quantized, with their scales, when the caches are FP8)."""
     B, H, D = q.shape
     if q.device.type != "cuda":
         raise ValueError("rope_append is a CUDA kernel; on CPU the engine runs the model's own apply_rotary_pos_emb.")
@@ -65,7 +81,23 @@ def rope_append(
     if cos.shape != (B, D) or sin.shape != (B, D) or k_cache.shape != v_cache.shape or k_cache.shape[3] != D:
         raise ValueError(f"cos / sin must be (B, D) = {(B, D)} and the caches (S, H_kv, T, {D}); got "
                          f"{tuple(cos.shape)}, {tuple(k_cache.shape)}.")  # fmt: skip
-    tensors = (q, k, v, cos, sin, k_cache, v_cache)
-    if len({t.dtype for t in tensors}) != 1 or any(t.stride(-1) != 1 for t in tensors):
-        raise ValueError("q, k, v, cos, sin and the caches must share a dtype and have unit stride along head_dim.")
-    return call_op(_rope_append_op, q, k, v, cos, sin, k_cache, v_cache, slots, positions)
+    fp8 = k_cache.dtype == _FP8
+    check_kv_scales(k_cache, v_cache, k_scale, v_scale)
+    tensors = (q, k, v, cos, sin) if fp8 else (q, k, v, cos, sin, k_cache, v_cache)
+    if len({t.dtype for t in tensors}) != 1 or any(t.stride(-1) != 1 for t in (q, k, v, cos, sin, k_cache, v_cache)):
+        raise ValueError("q, k, v, cos, sin (and caches not in FP8) must share a dtype; all need unit stride along "
+                         "head_dim.")  # fmt: skip
+    return call_op(_rope_append_op, q, k, v, cos, sin, k_cache, v_cache, slots, positions, k_scale, v_scale)
+
+
+def check_kv_scales(k_cache: Tensor, v_cache: Tensor, k_scale: Optional[Tensor], v_scale: Optional[Tensor]) -> None:
+    """FP8 caches come with contiguous FP32 scales ``(S, H_kv, T)``; other caches with none."""
+    fp8 = k_cache.dtype == _FP8
+    if (v_cache.dtype == _FP8) != fp8 or (k_scale is not None) != fp8 or (v_scale is not None) != fp8:
+        raise ValueError("FP8 KV caches need k_scale and v_scale (and only they do); got caches "
+                         f"{k_cache.dtype} / {v_cache.dtype} with scales {k_scale is not None} / {v_scale is not None}.")  # fmt: skip
+    if fp8:
+        for s in (k_scale, v_scale):
+            if s.dtype != torch.float32 or tuple(s.shape) != tuple(k_cache.shape[:3]) or not s.is_contiguous():
+                raise ValueError(f"KV scales must be contiguous float32 {tuple(k_cache.shape[:3])}; got {s.dtype} "
+                                 f"{tuple(s.shape)}.")  # fmt: skip

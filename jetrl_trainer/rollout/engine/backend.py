@@ -9,6 +9,8 @@ import torch
 from torch import nn
 from transformers import GenerationConfig
 
+from jetrl_trainer._choices import KV_CACHE_DTYPES, check_choice
+
 from ..base import Rollout, RolloutBackend
 from ..hf_generate import HFGenerateBackend
 from .architecture import unsupported_model_reason
@@ -25,6 +27,7 @@ class EngineBackend(RolloutBackend):
 
     ``kv_cache_tokens`` bounds the KV cache: at most ``kv_cache_tokens // (longest prompt +
     max_new_tokens)`` sequences decode at once (the rest wait for a slot); ``None`` = all of them.
+    ``kv_cache_dtype="fp8"`` stores the cache in FP8 (see :class:`~.kv_cache.KVCache`).
     Each call draws its sampling seed from torch's global RNG, so ``set_seed`` reproduces rollouts.
     """
 
@@ -32,12 +35,13 @@ class EngineBackend(RolloutBackend):
 
     def __init__(
         self, *, eos_token_ids: Sequence[int], pad_token_id: int, fallback: HFGenerateBackend,
-        kv_cache_tokens: int | None = None,
+        kv_cache_tokens: int | None = None, kv_cache_dtype: str = "auto",
     ) -> None:  # fmt: skip
         self.eos_token_ids = list(eos_token_ids)
         self.pad_token_id = pad_token_id
         self.fallback = fallback
         self.kv_cache_tokens = kv_cache_tokens
+        self.kv_cache_dtype = check_choice("kv_cache_dtype", kv_cache_dtype, KV_CACHE_DTYPES)
         self._reasons: set[str] = set()
 
     def generate(self, model: nn.Module, prompt_ids: Sequence[Sequence[int]], sampling: GenerationConfig) -> Rollout:
@@ -47,7 +51,9 @@ class EngineBackend(RolloutBackend):
                 self._reasons.add(reason)
                 logger.warning("jetrl: rollout_backend='engine' falls back to 'hf': %s", reason)
             return self.fallback.generate(model, prompt_ids, sampling)
-        engine = DecodeEngine(model, max_batch_size=self._max_batch_size(prompt_ids, sampling))
+        engine = DecodeEngine(
+            model, max_batch_size=self._max_batch_size(prompt_ids, sampling), kv_cache_dtype=self.kv_cache_dtype
+        )
         seed = int(torch.randint(0, 2**62, ()).item())
         ids, logprobs = engine.generate(
             prompt_ids, sampling, eos_token_ids=self.eos_token_ids, seed=seed, pad_token_id=self.pad_token_id

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 from transformers import GenerationConfig
 
+from jetrl_trainer._choices import KV_CACHE_DTYPES, check_choice
 from jetrl_trainer._hashing import M32, mix32
 
 from ..hf_generate import left_pad
@@ -52,9 +53,13 @@ class _Sequence:
 class DecodeEngine:
     """Generates completions and their sampling log-probs with a model's own modules."""
 
-    def __init__(self, model: nn.Module, *, max_batch_size: int | None = None, cuda_graphs: bool | None = None) -> None:
+    def __init__(
+        self, model: nn.Module, *, max_batch_size: int | None = None, cuda_graphs: bool | None = None,
+        kv_cache_dtype: str = "auto",
+    ) -> None:  # fmt: skip
         self.view = DecoderView.from_model(model)
         self.max_batch_size = max_batch_size
+        self.kv_fp8 = check_choice("kv_cache_dtype", kv_cache_dtype, KV_CACHE_DTYPES) == "fp8"
         self.cuda_graphs = cuda_graphs_available(self.view.device) if cuda_graphs is None else cuda_graphs
 
     @torch.no_grad()
@@ -79,7 +84,7 @@ class DecodeEngine:
         cache = KVCache(
             num_layers=len(v.layers), num_slots=slots + self.cuda_graphs,  # + the graphs' scratch slot
             max_len=max(map(len, prompts)) + config.max_new_tokens, num_kv_heads=v.num_kv_heads,
-            head_dim=v.head_dim, dtype=v.dtype, device=v.device,
+            head_dim=v.head_dim, dtype=v.dtype, device=v.device, fp8=self.kv_fp8,
         )  # fmt: skip
         sampler, eos = TokenSampler(config), set(eos_token_ids)
         graphs = DecodeGraphs(self, cache, sampler, max_rows=slots) if self.cuda_graphs else None
@@ -154,7 +159,7 @@ class DecodeEngine:
 
         def attend(layer: int, q: Tensor, k: Tensor, val: Tensor) -> Tensor:
             cache.append(layer, slots, k[:, :, 0], val[:, :, 0])
-            out = decode_attention(q[:, :, 0], cache.k[layer, slots], cache.v[layer, slots], lengths, v.scaling)
+            out = decode_attention(q[:, :, 0], *cache.read(layer, slots), lengths, v.scaling)
             return out[:, :, None]
 
         def attend_kernels(layer: int, q: Tensor, k: Tensor, val: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -162,8 +167,10 @@ class DecodeEngine:
             from jetrl_trainer.kernels.triton_rope_append import rope_append
 
             k_cache, v_cache = cache.k[layer], cache.v[layer]
-            q = rope_append(q[:, 0], k[:, 0], val[:, 0], cos[:, 0], sin[:, 0], k_cache, v_cache, slots, positions[:, 0])
-            return attention_kernel(q, k_cache, v_cache, slots, lengths, v.scaling)[:, :, None]
+            scales = dict(k_scale=cache.k_scale[layer], v_scale=cache.v_scale[layer]) if cache.fp8 else {}
+            q = rope_append(q[:, 0], k[:, 0], val[:, 0], cos[:, 0], sin[:, 0], k_cache, v_cache, slots, positions[:, 0],
+                            **scales)  # fmt: skip
+            return attention_kernel(q, k_cache, v_cache, slots, lengths, v.scaling, **scales)[:, :, None]
 
         if kernel:
             hidden = v.hidden_states(tokens[:, None], positions, attend_kernels, rope_in_attend=True)

@@ -3,6 +3,12 @@
 Slot ``s`` holds one sequence's keys and values from position 0 (prompts are stored without their
 left padding), ``lengths[s]`` of them live. Finished sequences free their slot and a waiting one
 takes it, so the cache is sized by the number of sequences decoded at once, not the batch.
+
+``fp8=True`` stores keys and values as FP8 E4M3 with one FP32 scale per (token, KV head): each
+head vector is quantized as one group (``quantize_fp8_groups(x, group=head_dim)``, the library's
+reference numerics) and read back as ``(q * scale)`` rounded to the model dtype. About half the
+memory and attention bytes, at the price of a rollout that departs from the training forward
+(``JetGRPOConfig`` allows it only with a corrector, outside the unified flow).
 """
 
 from __future__ import annotations
@@ -10,33 +16,57 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from jetrl_trainer.quant.fp8 import FP8_DTYPE, quantize_fp8_groups
+
 __all__ = ["KVCache"]
 
 
 class KVCache:
-    """``k``, ``v``: ``(layers, slots, kv_heads, max_len, head_dim)``; freed with the engine call."""
+    """``k``, ``v``: ``(layers, slots, kv_heads, max_len, head_dim)``; with ``fp8``, ``k_scale`` / ``v_scale``
+    ``(layers, slots, kv_heads, max_len)``. Freed with the engine call."""
 
     def __init__(
         self, *, num_layers: int, num_slots: int, max_len: int, num_kv_heads: int, head_dim: int,
-        dtype: torch.dtype, device: torch.device,
+        dtype: torch.dtype, device: torch.device, fp8: bool = False,
     ) -> None:  # fmt: skip
         shape = (num_layers, num_slots, num_kv_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.dtype = dtype  # what reads return
+        self.k = torch.zeros(shape, dtype=FP8_DTYPE if fp8 else dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.k_scale = torch.ones(shape[:-1], dtype=torch.float32, device=device) if fp8 else None
+        self.v_scale = torch.ones_like(self.k_scale) if fp8 else None
         self.lengths = torch.zeros(num_slots, dtype=torch.long, device=device)
+
+    @property
+    def fp8(self) -> bool:
+        return self.k_scale is not None
 
     @property
     def max_len(self) -> int:
         return self.k.shape[3]
 
+    def _put(self, index: tuple, k: Tensor, v: Tensor) -> None:
+        for cache, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+            if scales is None:
+                cache[index] = x
+            else:
+                q, s = quantize_fp8_groups(x, x.shape[-1])
+                cache[index] = q
+                scales[index] = s[..., 0]
+
     def store_prompt(self, layer: int, slot: int, k: Tensor, v: Tensor) -> None:
         """Place a prompt's ``(kv_heads, n, head_dim)`` keys/values at the start of ``slot``."""
-        n = k.shape[1]
-        self.k[layer, slot, :, :n] = k
-        self.v[layer, slot, :, :n] = v
+        self._put((layer, slot, slice(None), slice(0, k.shape[1])), k, v)
 
     def append(self, layer: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
         """Write one new token per row (``k``, ``v``: ``(B, kv_heads, head_dim)``) at ``lengths[slots]``."""
-        positions = self.lengths[slots]
-        self.k[layer, slots, :, positions] = k
-        self.v[layer, slots, :, positions] = v
+        self._put((layer, slots, slice(None), self.lengths[slots]), k, v)
+
+    def read(self, layer: int, slots: Tensor) -> tuple[Tensor, Tensor]:
+        """The rows' keys and values ``(B, kv_heads, max_len, head_dim)`` in the model dtype."""
+        k, v = self.k[layer, slots], self.v[layer, slots]
+        if not self.fp8:
+            return k, v
+        return tuple(
+            (x.float() * s[layer, slots][..., None]).to(self.dtype) for x, s in ((k, self.k_scale), (v, self.v_scale))
+        )
