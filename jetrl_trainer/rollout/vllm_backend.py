@@ -27,7 +27,6 @@ How this departs from TRL's vLLM path:
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -37,8 +36,6 @@ from torch import nn
 from .base import Rollout, RolloutBackend
 
 __all__ = ["VLLMBackend", "VLLMSampling", "check_processed_logprobs"]
-
-logger = logging.getLogger("jetrl_trainer")
 
 
 @dataclass(frozen=True)
