@@ -78,9 +78,11 @@ def timed(fn):
     return out, time.perf_counter() - start, (torch.cuda.max_memory_allocated() - base) / 2**30
 
 
-def floor_fraction(model, fp8: bool, batch: int, new: int, seconds: float, gbs: float) -> float:
+def floor_fraction(model, fp8: bool, batch: int, new: int, seconds: float, gbs: float, kv_fp8: bool = False) -> float:
     # per step: all weights once + the live KV of every row (mean live length prompt + new/2)
-    per_step = weight_bytes(model, fp8) + batch * (PROMPT + new / 2) * kv_bytes_per_token(model)
+    d = model.config.head_dim
+    kv = kv_bytes_per_token(model) * ((d + 4) / (2 * d) if kv_fp8 else 1.0)  # FP8: 1 byte + a 4-byte scale per head
+    per_step = weight_bytes(model, fp8) + batch * (PROMPT + new / 2) * kv
     return (new * per_step / (gbs * 1e9)) / seconds
 
 
@@ -105,7 +107,7 @@ def mismatch(model, ps, completions, logprobs, rows: int = 8) -> float:
     return (lp.cpu() - torch.tensor(logprobs)).abs().mean().item()
 
 
-def run_case(model, batch: int, new: int, gbs: float, skip_hf: bool, variable: bool) -> list[dict]:
+def run_case(model, batch: int, new: int, gbs: float, skip_hf: bool, variable: bool, kv_fp8: bool = False) -> list[dict]:
     ps = prompts(batch)
     config = GenerationConfig(max_new_tokens=new, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
                               pad_token_id=0, eos_token_id=[-1])  # fmt: skip
@@ -116,11 +118,12 @@ def run_case(model, batch: int, new: int, gbs: float, skip_hf: bool, variable: b
     generated = sum(budgets) if budgets else batch * new
     results = []
     runs = [("engine", "bf16"), ("engine", "fp8")] + ([] if skip_hf or variable else [("hf", "bf16"), ("hf", "fp8")])
-    for backend, precision in runs:
+    runs += [("engine", "fp8", "fp8")] if kv_fp8 else []  # + an FP8 KV cache
+    for backend, precision, *kv in runs:
         phase = "rollout" if precision == "fp8" else "train"
         with torch.no_grad(), precision_phase(phase):
             if backend == "engine":
-                engine = DecodeEngine(model)
+                engine = DecodeEngine(model, kv_cache_dtype=kv[0] if kv else "auto")
                 fn = lambda: engine.generate(ps, config, eos_token_ids=[-1], seed=0, row_budgets=budgets)  # noqa: E731
                 if precision == "bf16":  # first engine run: compile Triton kernels outside the timing
                     DecodeEngine(model).generate(ps[:2], GenerationConfig(**{**config.to_dict(), "max_new_tokens": 4}),
@@ -129,11 +132,12 @@ def run_case(model, batch: int, new: int, gbs: float, skip_hf: bool, variable: b
                 fn = lambda: generate_with_logprobs(model, ps, config, pad_token_id=0, eos_token_ids=[-1])  # noqa: E731
             (ids, lps), seconds, peak = timed(fn)
         row = dict(case="variable" if variable else "fixed", backend=backend, precision=precision, batch=batch,
+                   kv_cache="fp8" if kv else "model dtype",
                    new_tokens=new, generated_tokens=generated, seconds=round(seconds, 3),
                    tok_per_s=round(generated / seconds, 1), ms_per_step=round(1e3 * seconds / new, 3),
                    peak_gib=round(peak, 2))  # fmt: skip
         if not variable:
-            row["floor_fraction"] = round(floor_fraction(model, precision == "fp8", batch, new, seconds, gbs), 3)
+            row["floor_fraction"] = round(floor_fraction(model, precision == "fp8", batch, new, seconds, gbs, bool(kv)), 3)
         if precision == "fp8" and not variable:  # same measure for both backends
             row["unified_mismatch_mean_abs"] = mismatch(model, ps, ids, lps)
         results.append(row)
@@ -238,12 +242,17 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--profile-only", action="store_true", help="only the per-step profile (no throughput runs)")
+    ap.add_argument("--kv-only", action="store_true", help="only the fixed-length engine runs, with an FP8 KV cache too")
     args = ap.parse_args()
     gbs = copy_bandwidth_gbs()
     model = build_model(args.layers)
     if args.profile_only:
         profile = {f"b{b}": profile_step(model, b, args.new) for b in map(int, args.batches.split(","))}
         dump(dict(benchmark="rollout_profile", env=environment(), layers=args.layers, step_profile=profile))
+        return
+    if args.kv_only:
+        rows = [r for b in map(int, args.batches.split(",")) for r in run_case(model, b, args.new, gbs, True, False, True)]
+        dump(dict(benchmark="rollout_kv_fp8", env=environment(), layers=args.layers, rows=rows))
         return
     rows = []
     for batch in map(int, args.batches.split(",")):

@@ -86,6 +86,9 @@ class DecodeEngine:
             max_len=max(map(len, prompts)) + config.max_new_tokens, num_kv_heads=v.num_kv_heads,
             head_dim=v.head_dim, dtype=v.dtype, device=v.device, fp8=self.kv_fp8,
         )  # fmt: skip
+        # Encode (FP8: quantize) each distinct prompt's KV once per layer, not once per generation.
+        encoded = [(cache.encode(k), cache.encode(val)) for k, val in zip(store_k, store_v)]
+        del store_k, store_v
         sampler, eos = TokenSampler(config), set(eos_token_ids)
         graphs = DecodeGraphs(self, cache, sampler, max_rows=slots) if self.cuda_graphs else None
         seed_hash = mix32(torch.tensor(seed & M32, dtype=torch.int64))
@@ -112,8 +115,9 @@ class DecodeEngine:
             while free and pending:
                 slot, s = free.pop(), pending.popleft()
                 n = len(prompts[s.prompt])
-                for layer in range(len(v.layers)):
-                    cache.store_prompt(layer, slot, store_k[layer][s.prompt, :, -n:], store_v[layer][s.prompt, :, -n:])
+                for layer, (k_enc, v_enc) in enumerate(encoded):
+                    cache.store_encoded(layer, slot, *(tuple(t[s.prompt, :, -n:] if t is not None else None for t in enc)
+                                                       for enc in (k_enc, v_enc)))  # fmt: skip
                 cache.lengths[slot] = n
                 running[slot] = s
                 started.append((slot, s))

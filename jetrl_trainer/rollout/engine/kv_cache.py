@@ -45,18 +45,33 @@ class KVCache:
     def max_len(self) -> int:
         return self.k.shape[3]
 
+    def encode(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
+        """Keys or values ``(..., head_dim)`` in the cache's format: ``(values, scales)``, scales
+        ``(...)`` for FP8 and None otherwise. Each head vector is encoded on its own, so encoding a
+        padded batch of prompts once and slicing it equals encoding each slice."""
+        if not self.fp8:
+            return x, None
+        q, s = quantize_fp8_groups(x, x.shape[-1])
+        return q, s[..., 0]
+
+    def _write(self, index: tuple, k: tuple[Tensor, Tensor | None], v: tuple[Tensor, Tensor | None]) -> None:
+        for cache, scales, (values, s) in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+            cache[index] = values
+            if scales is not None:
+                scales[index] = s
+
     def _put(self, index: tuple, k: Tensor, v: Tensor) -> None:
-        for cache, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
-            if scales is None:
-                cache[index] = x
-            else:
-                q, s = quantize_fp8_groups(x, x.shape[-1])
-                cache[index] = q
-                scales[index] = s[..., 0]
+        self._write(index, self.encode(k), self.encode(v))
 
     def store_prompt(self, layer: int, slot: int, k: Tensor, v: Tensor) -> None:
         """Place a prompt's ``(kv_heads, n, head_dim)`` keys/values at the start of ``slot``."""
         self._put((layer, slot, slice(None), slice(0, k.shape[1])), k, v)
+
+    def store_encoded(
+        self, layer: int, slot: int, k: tuple[Tensor, Tensor | None], v: tuple[Tensor, Tensor | None]
+    ) -> None:
+        """:meth:`store_prompt` for keys/values already in the cache format (:meth:`encode`)."""
+        self._write((layer, slot, slice(None), slice(0, k[0].shape[1])), k, v)
 
     def append(self, layer: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
         """Write one new token per row (``k``, ``v``: ``(B, kv_heads, head_dim)``) at ``lengths[slots]``."""
