@@ -1,11 +1,20 @@
-"""FP8 linear for decode-sized M: split-K Triton GEMM with the 1×128 activation quant in its prologue.
+"""FP8 linear for decode-sized M: a split-K Triton GEMM on 128×128-block FP8 weights.
 
 At decode (M = 1 to 64 rows) a linear is bound by reading its weight, and the general FP8 path
-(an activation-quant kernel, scale-layout copies, a blockwise ``_scaled_mm``) costs more in
-launches and copies than it saves in bytes. This kernel is one launch (two when K is split): every
-program quantizes its slice of the activation exactly as ``quantize_fp8_groups`` does (the same
-``@triton.jit`` functions as ``act_quant_fp8``), multiplies it with its 128×128-block FP8 weight
-tiles and scales per 128-group. See ``_triton_decode_gemm_jit.py`` for the kernel layout.
+(an activation-quant kernel, scale-layout copies, a blockwise ``_scaled_mm`` with few tiles at
+small M) costs more in launches and idle SMs than it saves in bytes. This GEMM splits K so that
+every SM streams weight tiles, scales per 128-group as the other backends do, and adds the splits
+in a second small launch. Its activation comes in two forms with the same bits:
+
+* already quantized 1×128 (``fp8_decode_gemm_nt``): what a fused RMSNorm / SwiGLU producer, or
+  the act-quant kernel, hands over; this is what ``QuantLinear`` runs in rollouts;
+* unquantized (``fp8_decode_linear``): each program quantizes its K slice in the prologue with
+  the very ``@triton.jit`` functions of ``act_quant_fp8`` (bit-identical to
+  ``quantize_fp8_groups``). One launch fewer, but every N tile re-quantizes its slice, which
+  measured slower on the H200 at every decode M (docs/benchmarks.md §7), so it is off by default
+  (``PROLOGUE_MAX_M``).
+
+See ``_triton_decode_gemm_jit.py`` for the kernel layout.
 
 =============================  =======================================  ========================
 operand                        shape / layout                           dtype
