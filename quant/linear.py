@@ -358,7 +358,7 @@ class QuantLinear(nn.Linear):
             w_q, w_s = tensors
             if grad:
                 return _FP8LinearFunction.apply(x2d, w, b, w_q, w_s, recipe.scale_format, out_dtype)
-            # Decode-sized M (rollouts): one kernel with the activation quant in its prologue.
+            # Decode-sized M (rollouts): the split-K decode GEMM (kernels/triton_decode_gemm.py).
             y = decode_linear_fp8(x2d, w_q, w_s, b, recipe.scale_format, out_dtype)
             if y is not None:
                 return y
