@@ -5,6 +5,7 @@
     python examples/compare_strategies.py --task sudoku --stress      # longer completions, weaker warm start, T=1.3
     python examples/compare_strategies.py --model tiny-llada --task countdown --max_completion_length 16
     python examples/compare_strategies.py --model Qwen/Qwen3-0.6B-Base --dtype bfloat16 --warm_start_steps 0
+    python examples/compare_strategies.py --gpu --task countdown      # a local 0.3B Qwen3 on CUDA, engine rollouts
 
 Strategies are ``train_precision/rollout_precision[+corrector]``: by default ``bf16/bf16``,
 ``bf16/fp8`` with no corrector, ``is``, ``tis``, ``mis`` and ``ais``, and ``fp8/fp8`` with none and
@@ -34,6 +35,13 @@ FAST = dict(steps=3, prompts_per_step=2, num_generations=4, eval_prompts=16, war
 # The mismatch grows with the completion length, with the entropy of an undertrained policy, and
 # with the temperature: all three at once.
 STRESS = dict(max_completion_length=64, warm_start_steps=40, temperature=1.3)
+# The GPU preset (issue 14): a ~0.3B Qwen3 built locally (hidden 1024, 24 layers, 16/8 heads of 64,
+# the tiny tokenizer), BF16 master weights, SFT warm start on the GPU, long completions, the decode
+# engine for rollouts, two seeds. Not yet run: its learning rates are first guesses for this size.
+GPU = dict(model_overrides="hidden_size=1024,intermediate_size=3072,num_hidden_layers=24,num_attention_heads=16,"
+           "num_key_value_heads=8,head_dim=64,max_position_embeddings=2048", dtype="bfloat16", device="cuda",
+           rollout_backend="engine", max_completion_length=256, steps=60, prompts_per_step=8, num_generations=8,
+           warm_start_steps=300, warm_start_lr=3e-4, learning_rate=2e-5, seeds="0,1")  # fmt: skip
 TINY_PREFIX = "tiny-"
 
 
@@ -48,7 +56,24 @@ class CompareArguments:
         metadata={"help": "'tiny-<arch>' (a local tiny model, warm-started; arch in jetrl_trainer._choices.TINY_ARCHS) "
                           "or a checkpoint id / folder (used as it is)."},
     )  # fmt: skip
-    dtype: str = field(default="float32", metadata={"help": "Dtype of the model's master weights, e.g. bfloat16."})
+    dtype: str | None = field(default=None, metadata={"help": "Dtype of the model's master weights, e.g. bfloat16 "
+                                                              "(preset float32; --gpu bfloat16)."})
+    model_overrides: str | None = field(
+        default=None,
+        metadata={"help": "Tiny models only: config fields as k=v pairs for a larger local model, e.g. "
+                          "'hidden_size=1024,num_hidden_layers=24' (--gpu: a ~0.3B Qwen3)."},
+    )  # fmt: skip
+    device: str | None = field(
+        default=None,
+        metadata={"help": "Where a tiny model is built and warm-started: 'cpu' (preset) or 'cuda' (--gpu). GRPO runs "
+                          "on CUDA whenever it is available."},
+    )  # fmt: skip
+    rollout_backend: str | None = field(
+        default=None, metadata={"help": "JetGRPOConfig.rollout_backend of every run, e.g. 'engine' (unset: 'auto')."}
+    )
+    warm_start_lr: float | None = field(
+        default=None, metadata={"help": "Peak learning rate of a tiny model's SFT warm start (preset 3e-3)."}
+    )
     strategies: str | None = field(
         default=None,
         metadata={"help": "Comma-separated 'train/rollout[+corrector]' names; unset = every strategy of "
@@ -88,13 +113,21 @@ class CompareArguments:
         default=False,
         metadata={"help": "Make the mismatch matter: 64-token completions, a 40-step warm start, temperature 1.3."},
     )
+    gpu: bool = field(
+        default=False,
+        metadata={"help": "The GPU preset: a local ~0.3B Qwen3 (BF16) warm-started on CUDA, 256-token completions, "
+                          "the decode engine, 60 steps, 2 seeds (not yet run; see docs/study.md)."},
+    )  # fmt: skip
 
 
 def parse(argv: list[str] | None = None) -> CompareArguments:
     from trl import TrlParser  # light: torch stays unimported
 
     (args,) = TrlParser((CompareArguments,)).parse_args_and_config(sys.argv[1:] if argv is None else argv)
-    preset = {**FULL, **(FAST if args.fast else {}), **(STRESS if args.stress else {})}
+    preset = {**FULL, **(GPU if args.gpu else {}), **(FAST if args.fast else {}), **(STRESS if args.stress else {})}
+    preset.setdefault("dtype", "float32")
+    preset.setdefault("device", "cpu")
+    preset.setdefault("warm_start_lr", 3e-3)
     for name, value in preset.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -105,11 +138,20 @@ def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(s) for s in text.split(",") if s.strip())
 
 
-def _difficulty(text: str | None) -> dict:
+def _number(text: str):
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def _pairs(text: str | None, flag: str = "--difficulty", example: str = "holes=8") -> dict:
     pairs = [p.split("=", 1) for p in (text or "").split(",") if p.strip()]
     if any(len(p) != 2 for p in pairs):
-        raise SystemExit(f"--difficulty takes k=v pairs separated by commas, e.g. 'holes=8'; got {text!r}.")
-    return {k.strip(): int(v) if v.strip().lstrip("-").isdigit() else v.strip() for k, v in pairs}
+        raise SystemExit(f"{flag} takes k=v pairs separated by commas, e.g. '{example}'; got {text!r}.")
+    return {k.strip(): _number(v.strip()) for k, v in pairs}
 
 
 def build(args: CompareArguments):
@@ -120,16 +162,25 @@ def build(args: CompareArguments):
     strategies = args.strategies.split(",") if args.strategies else list(STUDY_STRATEGIES)
     strategies += list(STUDY_STRATEGIES_NVFP4) if args.nvfp4 else []
     trainer_kwargs = {} if args.diffusion_steps is None else {"diffusion_steps": args.diffusion_steps}
+    if args.rollout_backend is not None:
+        trainer_kwargs["rollout_backend"] = args.rollout_backend
     spec = StudySpec(
         task=args.task, strategies=tuple(strategies), seeds=_ints(args.seeds), steps=args.steps,
         prompts_per_step=args.prompts_per_step, num_generations=args.num_generations,
         max_completion_length=args.max_completion_length, temperature=args.temperature,
         learning_rate=args.learning_rate, eval_prompts=args.eval_prompts, eval_phase=args.eval_phase,
-        sft_examples=args.sft_examples, difficulty=_difficulty(args.difficulty), trainer_kwargs=trainer_kwargs,
+        sft_examples=args.sft_examples, difficulty=_pairs(args.difficulty), trainer_kwargs=trainer_kwargs,
     )  # fmt: skip
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda (or --gpu) needs a CUDA device; add --device cpu to run it here (slowly).")
     if args.model.startswith(TINY_PREFIX):
+        overrides = _pairs(args.model_overrides, "--model_overrides", "hidden_size=1024")
         model = TinyModel(args.model.removeprefix(TINY_PREFIX), warm_start_steps=args.warm_start_steps,
-                          dtype=args.dtype)  # fmt: skip
+                          warm_start_lr=args.warm_start_lr, dtype=args.dtype, device=args.device,
+                          config_overrides=tuple(sorted(overrides.items())))  # fmt: skip
     else:
         model = PretrainedModel(args.model, dtype=args.dtype)
     return spec, model

@@ -118,6 +118,42 @@ def test_presets_and_flags():
     assert len(cli.build(cli.parse(["--nvfp4"]))[0].strategies) == len(STUDY_STRATEGIES) + 2
 
 
+def test_the_gpu_preset_describes_a_local_03b_model_on_the_engine():
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from jetrl_trainer.tiny import build_tiny_tokenizer
+
+    cli = _script_module()
+    args = cli.parse(["--gpu", "--device", "cpu", "--seeds", "3"])
+    spec, model = cli.build(args)
+    assert spec.trainer_kwargs == {"rollout_backend": "engine"} and spec.completion_length() == 256
+    assert spec.seeds == (3,) and len(spec.strategies) == len(STUDY_STRATEGIES)  # flags still beat the preset
+    assert isinstance(model, TinyModel) and model.dtype == "bfloat16" and model.device == "cpu"
+    overrides = dict(model.config_overrides)
+    assert overrides["hidden_size"] == 1024 and overrides["num_hidden_layers"] == 24
+    tokenizer = build_tiny_tokenizer()
+    with torch.device("meta"):  # count the parameters without allocating them
+        net = Qwen3ForCausalLM(Qwen3Config(vocab_size=len(tokenizer), **overrides))
+    assert sum(p.numel() for p in net.parameters()) > 0.3e9
+    with pytest.raises(SystemExit, match="k=v pairs"):
+        cli.build(cli.parse(["--model_overrides", "hidden_size"]))
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="needs a CUDA device"):
+            cli.build(cli.parse(["--gpu"]))
+
+
+def test_model_overrides_build_a_larger_tiny_model_where_asked():
+    import torch
+
+    from jetrl_trainer.tasks import get_task
+
+    model, _ = TinyModel("qwen3", warm_start_steps=0, config_overrides=(("num_hidden_layers", 3),))(
+        seed=0, task=get_task("countdown"), max_completion_length=8, sft_dataset=None
+    )
+    assert model.config.num_hidden_layers == 3 and next(model.parameters()).device == torch.device("cpu")
+
+
 @pytest.fixture(scope="module")
 def fast_study(tmp_path_factory):
     out = tmp_path_factory.mktemp("study") / "out"

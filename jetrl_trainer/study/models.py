@@ -26,6 +26,9 @@ class TinyModel:
     """A tiny model from `jetrl_trainer.tiny`, warm-started on the study's warm-start prompts.
 
     ``warm_start_steps=0`` skips the warm start (GRPO then sees all-equal rewards and learns nothing).
+    ``config_overrides`` are config fields of the tiny builder as ``(name, value)`` pairs (a larger
+    local model, e.g. ``(("hidden_size", 1024), ("num_hidden_layers", 24))``); ``device`` is where it
+    is built and warm-started.
     """
 
     arch: str = "qwen3"
@@ -33,6 +36,8 @@ class TinyModel:
     warm_start_lr: float = 3e-3
     warm_start_batch_size: int = 32
     dtype: str = "float32"
+    config_overrides: tuple[tuple[str, Any], ...] = ()
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         check_choice("arch", self.arch, TINY_ARCHS)
@@ -45,7 +50,8 @@ class TinyModel:
         tokenizer = tiny.build_tiny_tokenizer()
         if self.arch == "llada":
             return self._llada(tokenizer, seed, task, max_completion_length, sft_dataset), tokenizer
-        model = getattr(tiny, f"build_tiny_{self.arch}")(tokenizer, seed=seed, dtype=self.dtype)
+        model = getattr(tiny, f"build_tiny_{self.arch}")(tokenizer, seed=seed, dtype=self.dtype,
+                                                         **dict(self.config_overrides)).to(self.device)  # fmt: skip
         if self.warm_start_steps:
             tiny.warm_start(model, tokenizer, task, steps=self.warm_start_steps, lr=self.warm_start_lr,
                             batch_size=self.warm_start_batch_size, seed=seed, dataset=sft_dataset)  # fmt: skip
@@ -60,7 +66,8 @@ class TinyModel:
         model = build_tiny_llada(
             vocab_size=len(tokenizer), mask_token_id=tokenizer.mask_token_id, pad_token_id=tokenizer.pad_token_id,
             eos_token_id=tokenizer.convert_tokens_to_ids(END_OF_TURN), seed=seed, dtype=getattr(torch, self.dtype),
-        )  # fmt: skip  (end of turn as EOS, as examples/train_llada.py builds it)
+            **dict(self.config_overrides),
+        ).to(self.device)  # fmt: skip  (end of turn as EOS, as examples/train_llada.py builds it)
         if self.warm_start_steps:
             diffusion_warm_start(model, tokenizer, task, steps=self.warm_start_steps, gen_length=gen_length, seed=seed,
                                  batch_size=self.warm_start_batch_size, lr=self.warm_start_lr,
