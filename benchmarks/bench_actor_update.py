@@ -1,0 +1,126 @@
+"""The actor update of a GRPO step: JetGRPOTrainer's loss forward, backward and AdamW step, BF16 vs FP8.
+
+Issue 16 measures the training half of a step here, with no rollout in the way. One model per
+precision, built the same way from the same seed: an 8B-shaped Qwen3 slice (hidden 4096, 32/8 heads
+of 128, MLP 12288, vocab 151936; ``--layers`` decoder layers, 12 by default), BF16 master weights,
+full fine-tuning. The trainer is built as users build it (``train_precision="bf16"`` or ``"fp8"``,
+so ``lm_head`` and the log-softmax stay BF16/FP32 as the recipe keeps them). Each timed iteration is
+``trainer.compute_loss`` on one fixed micro-batch (``--rows`` x (prompt + completion) tokens, random
+ids and advantages), ``accelerator.backward`` and ``optimizer.step()`` + ``zero_grad``: the same calls
+``Trainer.training_step`` makes, minus GRPO's ``_prepare_inputs``, which would generate.
+
+Only the eager path exists; a captured actor update (CUDA graphs / torch.compile) is part of issue
+16 and not in this release, so the "captured" column is absent rather than faked.
+
+Usage: ``python benchmarks/bench_actor_update.py [--layers 12] [--rows 4] [--prompt 256] [--completion 1792]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import tempfile
+import time
+
+import torch
+from _common import dump, environment
+from datasets import Dataset
+
+from jetrl_trainer import JetGRPOConfig, JetGRPOTrainer
+from jetrl_trainer.tiny import build_tiny_qwen3, build_tiny_tokenizer
+
+
+def _reward(completions, **kwargs) -> list[float]:
+    return [0.0] * len(completions)
+
+
+def build_trainer(precision: str, args, tokenizer, out: str) -> JetGRPOTrainer:
+    shape = dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
+                 head_dim=128, vocab_size=151936, tie_word_embeddings=False) if args.shape == "8b" else {}  # fmt: skip
+    model = build_tiny_qwen3(tokenizer, num_hidden_layers=args.layers, max_position_embeddings=4096, seed=0,
+                             dtype=torch.bfloat16 if args.device == "cuda" else torch.float32, **shape)  # fmt: skip
+    config = JetGRPOConfig(
+        output_dir=out, per_device_train_batch_size=args.rows, num_generations=args.rows,
+        max_completion_length=args.completion, learning_rate=1e-6, report_to="none", save_strategy="no",
+        bf16=args.device == "cuda", use_cpu=args.device == "cpu", gradient_checkpointing=False, disable_tqdm=True,
+        train_precision=precision, rollout_precision=precision, seed=0,
+    )  # fmt: skip
+    prompts = Dataset.from_dict({"prompt": [[{"role": "user", "content": "1+1="}]] * args.rows})
+    trainer = JetGRPOTrainer(model.to(args.device), _reward, args=config, train_dataset=prompts,
+                             processing_class=tokenizer)  # fmt: skip
+    trainer.create_optimizer()
+    trainer.current_gradient_accumulation_steps = 1  # set by Trainer's loop; one micro-batch per update here
+    return trainer
+
+
+def micro_batch(args, vocab: int) -> dict:
+    g = torch.Generator().manual_seed(0)
+    rows, P, C = args.rows, args.prompt, args.completion
+    batch = dict(
+        prompt_ids=torch.randint(0, vocab, (rows, P), generator=g), prompt_mask=torch.ones(rows, P, dtype=torch.long),
+        completion_ids=torch.randint(0, vocab, (rows, C), generator=g),
+        completion_mask=torch.ones(rows, C, dtype=torch.long), advantages=torch.randn(rows, generator=g),
+        num_items_in_batch=torch.tensor(rows * C),
+    )  # fmt: skip
+    return {k: v.to(args.device) for k, v in batch.items()}
+
+
+def measure(precision: str, args, tokenizer) -> dict:
+    with tempfile.TemporaryDirectory() as out:
+        trainer = build_trainer(precision, args, tokenizer, out)
+        model, inputs = trainer.model, micro_batch(args, min(len(tokenizer), trainer.model.config.vocab_size))
+        model.train()
+
+        def update():
+            loss = trainer.compute_loss(model, inputs, num_items_in_batch=inputs["num_items_in_batch"])
+            trainer.accelerator.backward(loss)
+            trainer.optimizer.step()
+            trainer.optimizer.zero_grad(set_to_none=True)
+            return loss
+
+        for _ in range(args.warmup):
+            update()
+        sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+        sync()
+        if args.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        times = []
+        for _ in range(args.iters):
+            start = time.perf_counter()
+            loss = update()
+            sync()
+            times.append(time.perf_counter() - start)
+        times.sort()
+        row = dict(precision=precision, ms=round(1e3 * times[len(times) // 2], 2), loss=float(loss.detach()),
+                   tokens=args.rows * (args.prompt + args.completion))  # fmt: skip
+        if args.device == "cuda":
+            row["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        del trainer, model
+        gc.collect()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+        return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--rows", type=int, default=4)
+    ap.add_argument("--prompt", type=int, default=256)
+    ap.add_argument("--completion", type=int, default=1792)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--shape", default="8b", choices=["8b", "tiny"], help="8b: Qwen3-8B layer shapes; tiny: CPU smoke")
+    ap.add_argument("--device", default="cuda", help="cuda; cpu only checks that the script runs")
+    args = ap.parse_args()
+    tokenizer = build_tiny_tokenizer(model_max_length=4096)
+    rows = [measure(p, args, tokenizer) for p in ("bf16", "fp8")]
+    for row in rows:
+        print(row, flush=True)
+    result = dict(benchmark="actor_update", env=environment(), args=vars(args), rows=rows,
+                  fp8_over_bf16=round(rows[0]["ms"] / rows[1]["ms"], 3))  # fmt: skip
+    dump(result)
+
+
+if __name__ == "__main__":
+    main()
