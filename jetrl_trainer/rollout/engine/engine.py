@@ -116,8 +116,7 @@ class DecodeEngine:
                 slot, s = free.pop(), pending.popleft()
                 n = len(prompts[s.prompt])
                 for layer, (k_enc, v_enc) in enumerate(encoded):
-                    cache.store_encoded(layer, slot, *(tuple(t[s.prompt, :, -n:] if t is not None else None for t in enc)
-                                                       for enc in (k_enc, v_enc)))  # fmt: skip
+                    cache.store_encoded(layer, slot, k_enc, v_enc, row=s.prompt, length=n)
                 cache.lengths[slot] = n
                 running[slot] = s
                 started.append((slot, s))

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from jetrl_trainer.quant.fp8 import FP8_DTYPE, quantize_fp8_groups
+from jetrl_trainer.quant.fp8 import FP8_DTYPE, dequantize_fp8_groups, quantize_fp8_groups
 
 __all__ = ["KVCache"]
 
@@ -68,10 +68,13 @@ class KVCache:
         self._put((layer, slot, slice(None), slice(0, k.shape[1])), k, v)
 
     def store_encoded(
-        self, layer: int, slot: int, k: tuple[Tensor, Tensor | None], v: tuple[Tensor, Tensor | None]
-    ) -> None:
-        """:meth:`store_prompt` for keys/values already in the cache format (:meth:`encode`)."""
-        self._write((layer, slot, slice(None), slice(0, k[0].shape[1])), k, v)
+        self, layer: int, slot: int, k: tuple[Tensor, Tensor | None], v: tuple[Tensor, Tensor | None], *, row: int,
+        length: int,
+    ) -> None:  # fmt: skip
+        """:meth:`store_prompt` of the last ``length`` positions of ``row`` of left-padded prompts
+        ``(N, kv_heads, P, head_dim)`` already in the cache format (:meth:`encode`)."""
+        picked = [tuple(t[row, :, -length:] if t is not None else None for t in x) for x in (k, v)]
+        self._write((layer, slot, slice(None), slice(0, length)), *picked)
 
     def append(self, layer: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
         """Write one new token per row (``k``, ``v``: ``(B, kv_heads, head_dim)``) at ``lengths[slots]``."""
@@ -83,5 +86,6 @@ class KVCache:
         if not self.fp8:
             return k, v
         return tuple(
-            (x.float() * s[layer, slots][..., None]).to(self.dtype) for x, s in ((k, self.k_scale), (v, self.v_scale))
+            dequantize_fp8_groups(x, s[layer, slots][..., None], x.shape[-1], self.dtype)
+            for x, s in ((k, self.k_scale), (v, self.v_scale))
         )
