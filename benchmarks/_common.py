@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["bench_ms", "bench_graph_ms", "copy_bandwidth_gbs", "environment", "dump", "tflops"]
+__all__ = ["bench_ms", "bench_graph_ms", "copy_bandwidth_gbs", "environment", "dump", "profile_kernels", "tflops"]
 
 
 def environment() -> dict:
@@ -80,6 +80,20 @@ def bench_graph_ms(fn: Callable[[], object], calls: int = 20, replays: int = 30)
         for _ in range(calls):
             fn()
     return bench_ms(graph.replay, rep_ms=100) / calls
+
+
+def profile_kernels(step: Callable[[], object], steps: int, warmup: int = 1):
+    """``torch.profiler`` CUDA events of ``steps`` calls of ``step`` after ``warmup`` calls: its ``key_averages()``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    return prof.key_averages()
 
 
 def copy_bandwidth_gbs(n_bytes: int = 2 << 30) -> float:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from _common import bench_graph_ms, bench_ms, dump, environment
+from _common import bench_graph_ms, bench_ms, dump, environment, profile_kernels
 from bench_gemm import M_TRAIN, QWEN3_8B
 from jetrl_trainer.quant import QuantLinear, invalidate_weight_caches
 
@@ -97,18 +97,8 @@ def _cpu_profile(n: int, k: int, iters: int = 20) -> list[str]:
 
 def _breakdown(n: int, k: int, iters: int = 5) -> dict:
     """CUDA time per kernel name for one FP8 fwd+bwd (weight re-quantized), from the profiler."""
-    from torch.profiler import ProfilerActivity, profile
-
-    step = _requantized_fp8_step(n, k)
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            step()
-        torch.cuda.synchronize()
     times: dict[str, float] = {}
-    for evt in prof.key_averages():
+    for evt in profile_kernels(_requantized_fp8_step(n, k), iters, warmup=3):
         t = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0.0)
         if t > 0:
             times[evt.key[:90]] = round(t / iters, 1)

@@ -20,7 +20,7 @@ import contextlib
 import time
 
 import torch
-from _common import copy_bandwidth_gbs, dump, environment
+from _common import copy_bandwidth_gbs, dump, environment, profile_kernels
 from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
 from jetrl_trainer.kernels import available_gemm_backends, use_gemm_backend
@@ -160,17 +160,9 @@ _KERNEL_KINDS = (  # (kind, substrings of a kernel name), first match wins
 
 def kernel_breakdown(step, steps: int = 3) -> dict:
     """GPU time and launches per decode step by kernel kind (torch.profiler over eager steps)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
     kinds: dict[str, list[float]] = {}
     top = []
-    for event in prof.key_averages():
+    for event in profile_kernels(step, steps):
         us = event.self_device_time_total
         if us <= 0 or event.count == 0:
             continue
