@@ -5,6 +5,9 @@ to the split's live positions with an online softmax; it writes its running max 
 and unnormalized output ``acc`` in FP32. Positions past the row's length are never loaded. ``KV_FP8``: FP8 caches with one FP32 scale per
 (slot, KV head, position), dequantized to the query dtype as they are loaded.
 Phase 2, one program per (row, query head): rescales and sums the splits.
+``FLASH_ORDER`` follows flash attention's arithmetic instead (tiles newest first, exp2 of raw scores
+times scale·log2(e), normalized by a reciprocal), so that with one split of the training kernel's
+tile size the summation order is closer to the training forward's.
 """
 
 import triton
@@ -22,7 +25,7 @@ def decode_attention_split_kernel(
     stride_ab, stride_ah, stride_as,
     stride_ss, stride_sh,
     GROUPS: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr,
-    PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
+    PRECISION: tl.constexpr, KV_FP8: tl.constexpr, FLASH_ORDER: tl.constexpr,
 ):  # fmt: skip
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     length = tl.load(lengths_ptr + b).to(tl.int32)
@@ -40,8 +43,12 @@ def decode_attention_split_kernel(
     k_base = k_ptr + slot * stride_ks + kvh * stride_kh
     v_base = v_ptr + slot * stride_vs + kvh * stride_vh
     scale_base = slot * stride_ss + kvh * stride_sh  # FP8 caches: one scale per (position, KV head)
+    scale_log2 = scale * 1.4426950408889634  # FLASH_ORDER: exp2 of raw scores times scale·log2(e)
     for i in range(TILES):  # static trip count (a loaded bound cannot drive a loop in the interpreter)
-        t0 = start + i * BLOCK_N
+        if FLASH_ORDER:  # newest tile first, as flash attention walks a causal row
+            t0 = start + (TILES - 1 - i) * BLOCK_N
+        else:
+            t0 = start + i * BLOCK_N
         if t0 < end:  # tiles past the row's length are skipped: their KV is never read
             t = t0 + tl.arange(0, BLOCK_N)
             t_ok = t < end
@@ -49,11 +56,17 @@ def decode_attention_split_kernel(
             if KV_FP8:  # dequantized to the query dtype, as KVCache.read does for the reference
                 k_s = tl.load(ks_ptr + scale_base + t, mask=t_ok, other=0.0)
                 k = (k.to(tl.float32) * k_s[:, None]).to(q.dtype)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (G_PAD, BLOCK_N), FP32; scaled after
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # (G_PAD, BLOCK_N), FP32, unscaled
+            if not FLASH_ORDER:
+                s = s * scale
             s = tl.where(t_ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
+            if FLASH_ORDER:  # the running max stays in raw score units
+                alpha = tl.math.exp2((m_i - m_new) * scale_log2)
+                p = tl.math.exp2(s * scale_log2 - (m_new * scale_log2)[:, None])
+            else:
+                alpha = tl.exp(m_i - m_new)
+                p = tl.exp(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             v = tl.load(v_base + t[:, None] * stride_vt + d[None, :], mask=t_ok[:, None], other=0.0)
             if KV_FP8:
@@ -72,7 +85,7 @@ def decode_attention_split_kernel(
 def decode_attention_reduce_kernel(
     m_ptr, l_ptr, acc_ptr, out_ptr,
     stride_mb, stride_mh, stride_ab, stride_ah, stride_as, stride_ob, stride_oh,
-    SPLITS: tl.constexpr, S_PAD: tl.constexpr, D: tl.constexpr,
+    m_scale, SPLITS: tl.constexpr, S_PAD: tl.constexpr, D: tl.constexpr, FLASH_ORDER: tl.constexpr,
 ):  # fmt: skip
     b, h = tl.program_id(0), tl.program_id(1)
     s = tl.arange(0, S_PAD)
@@ -83,6 +96,10 @@ def decode_attention_reduce_kernel(
     acc = tl.load(acc_ptr + b * stride_ab + h * stride_ah + s[:, None] * stride_as + d[None, :], mask=s_ok[:, None],
                   other=0.0)  # fmt: skip
     m_max = tl.max(m, axis=0)
-    w = tl.where(m > float("-inf"), tl.exp(m - m_max), 0.0)  # empty splits weigh nothing
-    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+    if FLASH_ORDER:  # m in raw score units; normalized by the reciprocal of the sum, as flash attention
+        w = tl.where(m > float("-inf"), tl.math.exp2((m - m_max) * m_scale), 0.0)
+        out = tl.sum(acc * w[:, None], axis=0) * (1.0 / tl.sum(l * w, axis=0))
+    else:
+        w = tl.where(m > float("-inf"), tl.exp(m - m_max), 0.0)  # empty splits weigh nothing
+        out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))

@@ -58,13 +58,13 @@ def decode_attention_reference(
 @torch.library.custom_op("jetrl::decode_attention", mutates_args=(), device_types="cuda")
 def _decode_attention_op(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, lengths: Tensor, scale: float, splits: int,
-    k_scale: Optional[Tensor], v_scale: Optional[Tensor],
+    k_scale: Optional[Tensor], v_scale: Optional[Tensor], block_n: int, flash_order: bool,
 ) -> Tensor:
     jit = load_jit("_triton_decode_attention_jit")
     B, H, D = q.shape
     h_kv, T = k_cache.shape[1], k_cache.shape[2]
     groups = H // h_kv
-    tiles = cdiv(cdiv(T, splits), BLOCK_N)  # BLOCK_N-position tiles per split
+    tiles = cdiv(cdiv(T, splits), block_n)  # block_n-position tiles per split
     m = torch.empty((B, H, splits), dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     acc = torch.empty((B, H, splits, D), dtype=torch.float32, device=q.device)
@@ -76,31 +76,33 @@ def _decode_attention_op(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), m.stride(0), m.stride(1),
         acc.stride(0), acc.stride(1), acc.stride(2),
         k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0,
-        GROUPS=groups, G_PAD=max(16, 1 << (groups - 1).bit_length()), D=D, BLOCK_N=BLOCK_N, TILES=tiles,
+        GROUPS=groups, G_PAD=max(16, 1 << (groups - 1).bit_length()), D=D, BLOCK_N=block_n, TILES=tiles,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # FP32 caches: no silent TF32
-        KV_FP8=fp8, num_warps=4,
+        KV_FP8=fp8, FLASH_ORDER=flash_order, num_warps=4,
     )  # fmt: skip
     jit.decode_attention_reduce_kernel[(B, H)](
         m, l, acc, out, m.stride(0), m.stride(1), acc.stride(0), acc.stride(1), acc.stride(2),
-        out.stride(0), out.stride(1), SPLITS=splits, S_PAD=max(2, 1 << (splits - 1).bit_length()), D=D,
-        num_warps=4,
+        out.stride(0), out.stride(1), float(scale) * 1.4426950408889634, SPLITS=splits,
+        S_PAD=max(2, 1 << (splits - 1).bit_length()), D=D, FLASH_ORDER=flash_order, num_warps=4,
     )  # fmt: skip
     return out
 
 
 @_decode_attention_op.register_fake
-def _(q, k_cache, v_cache, slots, lengths, scale, splits, k_scale, v_scale):
+def _(q, k_cache, v_cache, slots, lengths, scale, splits, k_scale, v_scale, block_n, flash_order):
     return torch.empty_like(q)
 
 
 def decode_attention(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, lengths: Tensor, scale: float, *, splits: int = 8,
-    k_scale: Optional[Tensor] = None, v_scale: Optional[Tensor] = None,
+    k_scale: Optional[Tensor] = None, v_scale: Optional[Tensor] = None, block_n: int = BLOCK_N,
+    flash_order: bool = False,
 ) -> Tensor:  # fmt: skip
     """Attention of ``q`` ``(B, H, D)`` over each row's live cached positions; see the module table.
 
     FP8 caches (``float8_e4m3fn``) come with ``k_scale`` / ``v_scale`` ``(S, H_kv, T)``, one FP32 scale
-    per position and KV head (the engine's ``KVCache(fp8=True)``)."""
+    per position and KV head (the engine's ``KVCache(fp8=True)``). ``block_n`` positions per tile
+    (a power of two >= 16); ``flash_order`` uses flash attention's order of arithmetic (see the jit module)."""
     if q.device.type != "cuda":
         raise ValueError("decode_attention is a CUDA kernel; on CPU use decode_attention_reference.")
     B, H, D = q.shape
@@ -111,7 +113,10 @@ def decode_attention(
         raise ValueError(f"need H % H_kv == 0 and a power-of-two head_dim >= 16; got H={H}, "
                          f"H_kv={k_cache.shape[1]}, D={D}.")  # fmt: skip
     check_kv_scales(k_cache, v_cache, k_scale, v_scale)
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"block_n must be a power of two >= 16; got {block_n}.")
     fp8 = k_scale is not None
     if (not fp8 and q.dtype != k_cache.dtype) or q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("q and the caches (unless FP8) must share a dtype and have unit stride along head_dim.")
-    return call_op(_decode_attention_op, q, k_cache, v_cache, slots, lengths, float(scale), int(splits), k_scale, v_scale)
+    return call_op(_decode_attention_op, q, k_cache, v_cache, slots, lengths, float(scale), int(splits), k_scale,
+                   v_scale, int(block_n), bool(flash_order))  # fmt: skip

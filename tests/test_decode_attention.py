@@ -67,11 +67,12 @@ def _need_triton():
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("splits", [1, 4, 16])
-def test_kernel_matches_the_reference(shape, dtype, splits):
+@pytest.mark.parametrize("block_n, flash_order", [(32, False), (64, True), (128, True)])
+def test_kernel_matches_the_reference(shape, dtype, splits, block_n, flash_order):
     _need_triton()
     q, k, v, slots, lengths = _inputs(*shape, dtype, device="cuda")
     scale = shape[4] ** -0.5
-    out = decode_attention(q, k, v, slots, lengths, scale, splits=splits)
+    out = decode_attention(q, k, v, slots, lengths, scale, splits=splits, block_n=block_n, flash_order=flash_order)
     ref = decode_attention_reference(q, k, v, slots, lengths, scale)
     tol = {torch.float32: 2e-3, torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype]  # P rounded to the cache dtype
     assert out.dtype == dtype and torch.allclose(out.float(), ref.float(), atol=tol, rtol=0)

@@ -164,6 +164,20 @@ def test_unsupported_models_and_options_fall_back_once(caplog):
     assert rollout.logprobs is not None and len(rollout.completion_ids) == len(PROMPTS)  # hf recorded them
 
 
+def test_zero3_sharded_parameters_fall_back(caplog):
+    qwen = build_tiny_qwen3(tokenizer()).eval()
+    assert unsupported_model_reason(qwen) is None
+    qwen.model.embed_tokens.weight.ds_id = 0  # how DeepSpeed ZeRO-3 marks a partitioned parameter
+    assert "ZeRO-3" in unsupported_model_reason(qwen)
+    with caplog.at_level(logging.WARNING, logger="jetrl_trainer"):
+        rollout = _backend().generate(qwen, PROMPTS, _config(do_sample=True))
+    assert [r.getMessage() for r in caplog.records] == [
+        "jetrl: rollout_backend='engine' falls back to 'hf': DeepSpeed ZeRO-3 shards the parameters (use ZeRO-2 "
+        "or DDP for engine rollouts)"
+    ]
+    assert rollout.logprobs is not None
+
+
 def test_kv_budget_smaller_than_one_sequence_is_refused():
     backend = _backend()
     backend.kv_cache_tokens = 8

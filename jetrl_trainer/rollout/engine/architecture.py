@@ -8,7 +8,7 @@ attention and the KV cache are the engine's own (`attention.py`, `kv_cache.py`):
 batched decode differs from a training forward, and the only place the FP32 summation order may.
 
 Supported: ``model_type`` llama (Llama 2/3.x), qwen2 (q/k/v biases) and qwen3 (q/k norms), full
-attention only. Anything else is refused with the reason, and the backend falls back to ``hf``.
+attention only, with unsharded parameters (DDP, DeepSpeed ZeRO-1/2; not ZeRO-3). Anything else is refused with the reason, and the backend falls back to ``hf``.
 """
 
 from __future__ import annotations
@@ -52,6 +52,10 @@ def unsupported_model_reason(model: nn.Module) -> str | None:
         return f"{type(base).__name__} does not have the Llama module layout (model.embed_tokens/layers/norm/rotary_emb)"
     if not hasattr(base, "lm_head"):
         return f"{type(base).__name__} has no lm_head"
+    if any(hasattr(p, "ds_id") for p in base.parameters()):
+        # ZeRO-3 gathers each weight in a forward hook and frees it after: the engine reads weights in
+        # place and captures CUDA graphs, neither of which survives that.
+        return "DeepSpeed ZeRO-3 shards the parameters (use ZeRO-2 or DDP for engine rollouts)"
     return None
 
 
@@ -59,6 +63,7 @@ def unsupported_model_reason(model: nn.Module) -> str | None:
 class DecoderView:
     """The pieces of one model the engine calls, and the shapes it needs to size its cache."""
 
+    model: nn.Module  # the transformers CausalLM (under any peft / DDP wrapper): prefill runs its forward
     embed: nn.Module
     layers: list[nn.Module]
     norm: nn.Module
@@ -82,7 +87,7 @@ class DecoderView:
         attn = inner.layers[0].self_attn
         embed = inner.embed_tokens
         return cls(
-            embed=embed, layers=list(inner.layers), norm=inner.norm, rotary=inner.rotary_emb, lm_head=base.lm_head,
+            model=base, embed=embed, layers=list(inner.layers), norm=inner.norm, rotary=inner.rotary_emb, lm_head=base.lm_head,
             apply_rope=sys.modules[type(attn).__module__].apply_rotary_pos_emb,
             num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads, head_dim=attn.head_dim,
             scaling=attn.scaling, dtype=embed.weight.dtype, device=embed.weight.device,

@@ -1,7 +1,7 @@
-"""Attention for the engine: batched causal prefill, and decode over each row's live KV only.
+"""Decode attention for the engine over each row's live KV only (prefill is the model's own forward).
 
-These are the pure-torch references (CPU, and any device without the engine's GPU kernels).
-Both are GQA-aware: query head ``h`` reads KV head ``h // (H / H_kv)``, as HF's ``repeat_kv``.
+This is the pure-torch reference (CPU, and any device without the engine's GPU kernels).
+It is GQA-aware: query head ``h`` reads KV head ``h // (H / H_kv)``, as HF's ``repeat_kv``.
 """
 
 from __future__ import annotations
@@ -10,19 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["decode_attention", "prefill_attention"]
-
-
-def prefill_attention(q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor, scaling: float) -> Tensor:
-    """Causal attention over left-padded prompts. q ``(N, H, P, D)``, k / v ``(N, H_kv, P, D)``,
-    ``key_mask`` ``(N, P)`` True on real tokens. Padding queries attend to themselves only (their
-    outputs are never read), so no row is all-masked."""
-    groups = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    P = q.shape[2]
-    causal = torch.ones(P, P, dtype=torch.bool, device=q.device).tril()
-    allowed = (causal[None] & key_mask[:, None, :]) | torch.eye(P, dtype=torch.bool, device=q.device)[None]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], scale=scaling)
+__all__ = ["decode_attention"]
 
 
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, scaling: float) -> Tensor:
