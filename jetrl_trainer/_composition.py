@@ -13,10 +13,14 @@ __all__ = ["build_policy_scorer", "build_rollout_backend", "resolve_rollout_back
 logger = logging.getLogger("jetrl_trainer")
 
 
-def resolve_rollout_backend(requested: str, *, diffusion: bool, continuous_batching: bool) -> tuple[str, str]:
+def resolve_rollout_backend(
+    requested: str, *, diffusion: bool, continuous_batching: bool, cuda: bool = False
+) -> tuple[str, str]:
     """The backend to build for ``requested`` (a `JetGRPOConfig.rollout_backend` value), and why.
 
-    Refuses a backend that cannot serve the model, with the setting to use instead.
+    ``cuda``: the policy lives on a CUDA device, where ``auto`` picks the decode engine (it falls
+    back to ``hf``, logged, for a model or generation option it does not support). Refuses a
+    backend that cannot serve the model, with the setting to use instead.
     """
     if diffusion:
         if requested == "continuous" or continuous_batching:
@@ -37,15 +41,18 @@ def resolve_rollout_backend(requested: str, *, diffusion: bool, continuous_batch
         return "continuous", "use_transformers_continuous_batching=True"
     if requested == "hf":
         return "hf", "requested"
-    return "hf", "transformers generate, the reference backend; the faster decode engine is opt-in " \
-                 "(rollout_backend='engine')"
+    if cuda:
+        return "engine", "the decode engine on CUDA (falls back to 'hf' for what it does not support, logged)"
+    return "hf", "transformers generate off CUDA (the engine's CPU path is plain torch, for checking; " \
+                 "rollout_backend='engine' opts in)"
 
 
 def build_rollout_backend(trainer: Any, *, diffusion: bool) -> tuple[RolloutBackend, Any]:
     """The trainer's backend and the sampling settings it is called with; logs the choice once."""
     args = trainer.args
     name, why = resolve_rollout_backend(
-        args.rollout_backend, diffusion=diffusion, continuous_batching=args.use_transformers_continuous_batching
+        args.rollout_backend, diffusion=diffusion, continuous_batching=args.use_transformers_continuous_batching,
+        cuda=trainer.accelerator.device.type == "cuda",
     )
     logger.info("jetrl: rollout backend %r (%s)", name, why)
     if name == "vllm":

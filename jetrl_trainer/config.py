@@ -121,8 +121,8 @@ class JetGRPOConfig(GRPOConfig):
             their output (one kernel instead of two; same values). `None` = on where it pays: CUDA
             with Triton and an FP8 phase. Other architectures are left as they are.
         rollout_backend (`str`, *optional*, defaults to `"auto"`):
-            What generates the rollouts: `"auto"` (the best available backend for the model and device,
-            logged once), `"hf"` (transformers `generate`), `"continuous"` (transformers continuous
+            What generates the rollouts: `"auto"` (logged once: the decode engine on CUDA, transformers
+            `generate` elsewhere, the LLaDA sampler for LLaDA models), `"hf"` (transformers `generate`), `"continuous"` (transformers continuous
             batching; the same as `use_transformers_continuous_batching=True`), `"engine"` (our decode
             engine, on the policy's own modules, for Llama/Qwen2/Qwen3; falls back to `"hf"` for
             anything else, with the reason logged once), `"vllm"` (TRL's vLLM generation and weight sync,
@@ -274,9 +274,9 @@ class JetGRPOConfig(GRPOConfig):
     rollout_backend: str = field(
         default="auto",
         metadata={
-            "help": "What generates the rollouts: 'auto' (the best available for the model and device; the choice "
-            "is logged once), 'hf' (transformers generate), 'continuous' (transformers continuous batching, same as "
-            "use_transformers_continuous_batching=True), 'engine' (our decode engine on the policy's own modules, "
+            "help": "What generates the rollouts: 'auto' (the decode engine on CUDA, 'hf' elsewhere, 'diffusion' "
+            "for LLaDA; the choice is logged once), 'hf' (transformers generate), 'continuous' (transformers "
+            "continuous batching, same as use_transformers_continuous_batching=True), 'engine' (our decode engine on the policy's own modules, "
             "Llama/Qwen2/Qwen3; falls back to 'hf' elsewhere, logged), 'diffusion' (the LLaDA sampler; auto picks it "
             "for LLaDA models), 'vllm' (TRL's vLLM generation and weight sync, vllm_mode colocate or server; same as "
             "use_vllm=True; BF16 rollouts only).",

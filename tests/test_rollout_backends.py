@@ -28,19 +28,20 @@ TOL = 1e-4
 
 
 @pytest.mark.parametrize(
-    "requested, diffusion, cb, expected",
+    "requested, diffusion, cb, cuda, expected",
     [
-        ("auto", False, False, "hf"),
-        ("auto", False, True, "continuous"),
-        ("hf", False, False, "hf"),
-        ("engine", False, False, "engine"),
-        ("continuous", False, True, "continuous"),
-        ("auto", True, False, "diffusion"),
-        ("diffusion", True, False, "diffusion"),
+        ("auto", False, False, False, "hf"),
+        ("auto", False, False, True, "engine"),
+        ("auto", False, True, True, "continuous"),
+        ("hf", False, False, True, "hf"),
+        ("engine", False, False, False, "engine"),
+        ("continuous", False, True, False, "continuous"),
+        ("auto", True, False, True, "diffusion"),
+        ("diffusion", True, False, False, "diffusion"),
     ],
 )
-def test_auto_and_explicit_choices(requested, diffusion, cb, expected):
-    name, why = resolve_rollout_backend(requested, diffusion=diffusion, continuous_batching=cb)
+def test_auto_and_explicit_choices(requested, diffusion, cb, cuda, expected):
+    name, why = resolve_rollout_backend(requested, diffusion=diffusion, continuous_batching=cb, cuda=cuda)
     assert name == expected and why
 
 
@@ -79,8 +80,8 @@ def test_trainer_logs_its_choice_once(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="jetrl_trainer"):
         trainer = make_trainer(tmp_path)
     choices = [r.getMessage() for r in caplog.records if "rollout backend" in r.getMessage()]
-    assert choices == ["jetrl: rollout backend 'hf' (transformers generate, the reference backend; the faster "
-                       "decode engine is opt-in (rollout_backend='engine'))"]  # fmt: skip
+    assert choices == ["jetrl: rollout backend 'hf' (transformers generate off CUDA (the engine's CPU path is plain "
+                       "torch, for checking; rollout_backend='engine' opts in))"]  # fmt: skip
     assert isinstance(trainer.rollout_backend, HFGenerateBackend)
     cb = make_trainer(tmp_path, rollout_backend="continuous")
     assert isinstance(cb.rollout_backend, ContinuousBatchingBackend)
