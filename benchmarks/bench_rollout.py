@@ -4,7 +4,9 @@ One process, one model: an 8B-shaped random Qwen3 (36 layers, BF16 master weight
 ``quantize_model(train="bf16", rollout="fp8")``, so the "train" phase is BF16 and the "rollout"
 phase FP8 on the very same Parameters. Prompts of 128 tokens, 8 distinct prompts x G generations
 (GRPO's shape), 256 new tokens, no EOS (a random model never stops), plus a variable-length case
-where 3 of 4 rows stop at a random step (the engine's ``row_budgets`` hook).
+where 3 of 4 rows stop at a random step (the engine's ``row_budgets`` hook), once with every row
+in a slot from the start and once with refill: 4x as many sequences as slots, so a finished row's
+slot takes the next waiting sequence (how a rollout larger than the KV budget runs).
 
 Reported per run: tok/s of generated tokens, ms per decode step, the fraction of the bandwidth
 floor (weights + live KV read per step over the measured copy bandwidth), peak memory, and for the
@@ -107,38 +109,53 @@ def mismatch(model, ps, completions, logprobs, rows: int = 8) -> float:
     return (lp.cpu() - torch.tensor(logprobs)).abs().mean().item()
 
 
-def run_case(model, batch: int, new: int, gbs: float, skip_hf: bool, variable: bool, kv_fp8: bool = False) -> list[dict]:
-    ps = prompts(batch)
+def warm_up(model, ps, config, batch: int, kv_cache_dtype: str) -> None:
+    """Compile every Triton kernel the timed run can reach, outside the timing: rows that stop one
+    step apart walk the live batch down through every CUDA-graph bucket (each a new GEMM M)."""
+    rows = min(batch, len(ps))
+    short = GenerationConfig(**{**config.to_dict(), "max_new_tokens": rows + 1})
+    DecodeEngine(model, kv_cache_dtype=kv_cache_dtype, max_batch_size=batch).generate(
+        ps[:rows], short, eos_token_ids=[-1], seed=0, row_budgets=[i + 1 for i in range(rows)]
+    )
+
+
+def run_case(
+    model, batch: int, new: int, gbs: float, skip_hf: bool, variable: bool, kv_fp8: bool = False, refill: int = 1
+) -> list[dict]:
+    """``refill > 1``: ``refill * batch`` sequences through ``batch`` slots (a finished row's slot
+    takes the next waiting sequence), as a rollout larger than the KV budget runs."""
+    sequences = batch * refill
+    ps = prompts(sequences)
     config = GenerationConfig(max_new_tokens=new, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
                               pad_token_id=0, eos_token_id=[-1])  # fmt: skip
     budgets = None
     if variable:  # 3 of 4 rows stop early, at a uniformly random step
         g = torch.Generator().manual_seed(1)
-        budgets = [new if i % 4 == 0 else int(torch.randint(1, new, (1,), generator=g)) for i in range(batch)]
-    generated = sum(budgets) if budgets else batch * new
+        budgets = [new if i % 4 == 0 else int(torch.randint(1, new, (1,), generator=g)) for i in range(sequences)]
+    generated = sum(budgets) if budgets else sequences * new
     results = []
-    runs = [("engine", "bf16"), ("engine", "fp8")] + ([] if skip_hf or variable else [("hf", "bf16"), ("hf", "fp8")])
+    with_hf = not (skip_hf or variable or refill > 1)
+    runs = [("engine", "bf16"), ("engine", "fp8")] + ([("hf", "bf16"), ("hf", "fp8")] if with_hf else [])
     runs += [("engine", "fp8", "fp8")] if kv_fp8 else []  # + an FP8 KV cache
     for backend, precision, *kv in runs:
         phase = "rollout" if precision == "fp8" else "train"
         with torch.no_grad(), precision_phase(phase):
             if backend == "engine":
-                engine = DecodeEngine(model, kv_cache_dtype=kv[0] if kv else "auto")
+                engine = DecodeEngine(model, kv_cache_dtype=kv[0] if kv else "auto", max_batch_size=batch)
                 fn = lambda: engine.generate(ps, config, eos_token_ids=[-1], seed=0, row_budgets=budgets)  # noqa: E731
-                if precision == "bf16":  # first engine run: compile Triton kernels outside the timing
-                    DecodeEngine(model).generate(ps[:2], GenerationConfig(**{**config.to_dict(), "max_new_tokens": 4}),
-                                                 eos_token_ids=[-1], seed=0)  # fmt: skip
+                warm_up(model, ps, config, batch, kv[0] if kv else "auto")
             else:
                 fn = lambda: generate_with_logprobs(model, ps, config, pad_token_id=0, eos_token_ids=[-1])  # noqa: E731
             (ids, lps), seconds, peak = timed(fn)
-        row = dict(case="variable" if variable else "fixed", backend=backend, precision=precision, batch=batch,
+        row = dict(case=("variable" if variable else "fixed") + (f"_refill{refill}" if refill > 1 else ""),
+                   backend=backend, precision=precision, batch=batch, sequences=sequences,
                    kv_cache="fp8" if kv else "model dtype",
                    new_tokens=new, generated_tokens=generated, seconds=round(seconds, 3),
-                   tok_per_s=round(generated / seconds, 1), ms_per_step=round(1e3 * seconds / new, 3),
-                   peak_gib=round(peak, 2))  # fmt: skip
-        if not variable:
+                   tok_per_s=round(generated / seconds, 1), peak_gib=round(peak, 2))  # fmt: skip
+        if not variable and refill == 1:
+            row["ms_per_step"] = round(1e3 * seconds / new, 3)
             row["floor_fraction"] = round(floor_fraction(model, precision == "fp8", batch, new, seconds, gbs, bool(kv)), 3)
-        if precision == "fp8" and not variable:  # same measure for both backends
+        if precision == "fp8" and not variable and refill == 1:  # same measure for both backends
             row["unified_mismatch_mean_abs"] = mismatch(model, ps, ids, lps)
         results.append(row)
         print(row, flush=True)
@@ -235,6 +252,9 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--profile-only", action="store_true", help="only the per-step profile (no throughput runs)")
     ap.add_argument("--kv-only", action="store_true", help="only the fixed-length engine runs, with an FP8 KV cache too")
+    ap.add_argument("--refill", type=int, default=4,
+                    help="variable-length case with refill: this many times the batch, through batch slots")
+    ap.add_argument("--variable-only", action="store_true", help="only the variable-length cases (and their fixed baseline)")
     args = ap.parse_args()
     gbs = copy_bandwidth_gbs()
     model = build_model(args.layers)
@@ -246,10 +266,18 @@ def main() -> None:
         rows = [r for b in map(int, args.batches.split(",")) for r in run_case(model, b, args.new, gbs, True, False, True)]
         dump(dict(benchmark="rollout_kv_fp8", env=environment(), layers=args.layers, rows=rows))
         return
+    first = int(args.batches.split(",")[0])
+    if args.variable_only:
+        rows = run_case(model, first, args.new, gbs, True, variable=False)
+        rows += run_case(model, first, args.new, gbs, True, variable=True)
+        rows += run_case(model, first, args.new, gbs, True, variable=True, refill=args.refill)
+        dump(dict(benchmark="rollout_variable", env=environment(), layers=args.layers, rows=rows))
+        return
     rows = []
     for batch in map(int, args.batches.split(",")):
         rows += run_case(model, batch, args.new, gbs, args.skip_hf, variable=False)
-    rows += run_case(model, int(args.batches.split(",")[0]), args.new, gbs, True, variable=True)
+    rows += run_case(model, first, args.new, gbs, True, variable=True)
+    rows += run_case(model, first, args.new, gbs, True, variable=True, refill=args.refill)
     profile = {f"b{b}": profile_step(model, b, args.new) for b in map(int, args.batches.split(","))}
     print("profile", profile, flush=True)
     by = {(r["case"], r["backend"], r["precision"], r["batch"]): r for r in rows}
