@@ -36,11 +36,12 @@ FAST = dict(steps=3, prompts_per_step=2, num_generations=4, eval_prompts=16, war
 # with the temperature: all three at once.
 STRESS = dict(max_completion_length=64, warm_start_steps=40, temperature=1.3)
 # The GPU preset (issue 14): a ~0.3B Qwen3 built locally (hidden 1024, 24 layers, 16/8 heads of 64,
-# the tiny tokenizer), BF16 master weights, SFT warm start on the GPU, long completions, the decode
-# engine for rollouts, two seeds. Not yet run: its learning rates are first guesses for this size.
+# the tiny tokenizer), BF16 master weights, SFT warm start on the GPU, a 256-token budget, the decode
+# engine for rollouts, two seeds. Every strategy x 2 seeds took about 12 minutes on one H200
+# (docs/study.md); at this learning rate 32 steps barely move the reward, so raise --steps to learn.
 GPU = dict(model_overrides="hidden_size=1024,intermediate_size=3072,num_hidden_layers=24,num_attention_heads=16,"
            "num_key_value_heads=8,head_dim=64,max_position_embeddings=2048", dtype="bfloat16", device="cuda",
-           rollout_backend="engine", max_completion_length=256, steps=60, prompts_per_step=8, num_generations=8,
+           rollout_backend="engine", max_completion_length=256, steps=32, prompts_per_step=8, num_generations=8,
            warm_start_steps=300, warm_start_lr=3e-4, learning_rate=2e-5, seeds="0,1")  # fmt: skip
 TINY_PREFIX = "tiny-"
 
