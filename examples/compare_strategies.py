@@ -51,7 +51,11 @@ class CompareArguments:
     """Options of the strategy study (docs/study.md)."""
 
     output_dir: str = field(default="runs/study", metadata={"help": "Folder of the runs, study.md and study.png."})
-    task: str = field(default="countdown", metadata={"help": "Built-in task: countdown, sudoku or arithmetic."})
+    task: str = field(
+        default="countdown",
+        metadata={"help": "Built-in task: countdown, sudoku, arithmetic or reverse (long completions, e.g. "
+                          "--difficulty max_digits=200)."},
+    )  # fmt: skip
     model: str = field(
         default="tiny-qwen3",
         metadata={"help": "'tiny-<arch>' (a local tiny model, warm-started; arch in jetrl_trainer._choices.TINY_ARCHS) "

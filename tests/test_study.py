@@ -116,6 +116,10 @@ def test_presets_and_flags():
     assert spec.temperature > 1.0 and spec.completion_length() > 24  # sudoku's own budget is 24
     assert isinstance(model, TinyModel) and model.warm_start_steps < cli.FULL["warm_start_steps"]
     assert len(cli.build(cli.parse(["--nvfp4"]))[0].strategies) == len(STUDY_STRATEGIES) + 2
+    long = cli.build(cli.parse(["--task", "reverse", "--difficulty", "min_digits=150,max_digits=200"]))[0]
+    assert long.completion_length() == 208  # the task's budget follows its length knob
+    budget = cli.build(cli.parse(["--task", "reverse", "--max_completion_length", "64"]))[0]
+    assert budget.completion_length() == 64
 
 
 def test_the_gpu_preset_describes_a_local_03b_model_on_the_engine():

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from jetrl_trainer.tasks import TASKS, completion_text, get_task, load_gsm8k
-from jetrl_trainer.tasks import arithmetic, countdown, gsm8k, sudoku
+from jetrl_trainer.tasks import arithmetic, countdown, gsm8k, reverse, sudoku
 from jetrl_trainer.tasks._common import extract_answer_span, parse_number
 
 
@@ -20,7 +20,7 @@ def _as_chat(text: str) -> list[dict]:
 
 
 def test_registry_has_the_four_tasks_and_rejects_unknown_names():
-    assert sorted(TASKS) == ["arithmetic", "countdown", "gsm8k", "sudoku"]
+    assert sorted(TASKS) == ["arithmetic", "countdown", "gsm8k", "reverse", "sudoku"]
     assert get_task("countdown") is countdown.TASK
     with pytest.raises(ValueError, match="choose one of"):
         get_task("chess")
@@ -52,6 +52,57 @@ def test_parse_number_and_answer_span():
     assert extract_answer_span("work... \\boxed{1} then \\boxed{ 7 }") == "7"
     assert extract_answer_span("x <answer>3*5</answer>") == "3*5"
     assert extract_answer_span("  19\n") == "19"
+
+
+# ---------------------------------------------------------------- reverse
+
+
+def test_reverse_is_seeded_and_as_long_as_asked():
+    a = reverse.make_dataset(40, seed=3, min_digits=100, max_digits=120)
+    assert a.to_list() == reverse.make_dataset(40, seed=3, min_digits=100, max_digits=120).to_list()
+    assert a.to_list() != reverse.make_dataset(40, seed=4, min_digits=100, max_digits=120).to_list()
+    for row in a.to_list():
+        assert 100 <= len(row["digits"]) <= 120 and row["digits"].isdigit()
+        assert row["answer"] == row["digits"][::-1] == reverse.reference_answer(row)
+        assert row["prompt"] == [{"role": "user", "content": f"reverse {row['digits']}="}]
+    assert reverse.TASK.completion_budget(max_digits=120) == 128
+    assert reverse.TASK.completion_budget() == reverse.TASK.max_completion_length == 40
+    assert arithmetic.TASK.completion_budget(max_operand=99) == arithmetic.TASK.max_completion_length
+    instruct = reverse.make_dataset(1, seed=0, prompt_style="instruct")[0]["prompt"][0]["content"]
+    assert instruct.startswith("Write these digits in reverse order")
+
+
+def test_reverse_reward_rules():
+    cases = {
+        "4321": 1.0,
+        " 4321\n": 1.0,
+        "\\boxed{4321}": 1.0,
+        "4399": 0.5 * 2 / 4,  # first two digits right
+        "43": 0.5 * 2 / 4,  # right but stopped early
+        "432111": 0.5 * 4 / 4,  # right, then kept going
+        "9321": 0.0,  # digits, none right from the start
+        "43 21": 0.0,
+        "4321.": 0.0,
+        "": 0.0,
+        "four": 0.0,
+        "٤٣٢١": 0.0,  # non-ASCII digits are not digits here
+    }
+    for text, want in cases.items():
+        assert reverse.score(text, "4321") == want, text
+    assert reverse.reverse_reward([None, None], [_as_chat("21"), "1"], answer=["21", "21"]) == [1.0, 0.0]
+    with pytest.raises(ValueError, match="got 1 completions but 2 answers"):
+        reverse.reverse_reward([None], ["1"], answer=["1", "2"])
+
+
+@pytest.mark.parametrize("knobs, message", [
+    (dict(min_digits=0), "1 <= min_digits <= max_digits"),
+    (dict(min_digits=9, max_digits=8), "1 <= min_digits <= max_digits"),
+    (dict(max_digits=8.5), "1 <= min_digits <= max_digits"),
+    (dict(prompt_style="long"), "prompt_style must be"),
+])  # fmt: skip
+def test_reverse_bad_knobs_are_refused(knobs, message):
+    with pytest.raises(ValueError, match=message):
+        reverse.make_dataset(4, **knobs)
 
 
 # ---------------------------------------------------------------- arithmetic
@@ -292,7 +343,7 @@ def test_gsm8k_reward_reads_the_final_answer():
 
 
 def test_every_task_rewards_its_reference_answer_fully():
-    for name in ("arithmetic", "countdown", "sudoku"):
+    for name in ("arithmetic", "countdown", "sudoku", "reverse"):
         task = get_task(name)
         ds = task.make_dataset(20, seed=2)
         columns = {k: ds[k] for k in ds.column_names if k != "prompt"}
@@ -307,6 +358,6 @@ def test_generators_do_not_touch_global_random_state():
     random.seed(0)
     expected = random.random()
     random.seed(0)
-    for name in ("arithmetic", "countdown", "sudoku"):
+    for name in ("arithmetic", "countdown", "sudoku", "reverse"):
         get_task(name).make_dataset(5, seed=1)
     assert random.random() == expected

@@ -92,7 +92,7 @@ class StudySpec:
     def completion_length(self) -> int:
         from jetrl_trainer.tasks import get_task
 
-        return self.max_completion_length or get_task(self.task).max_completion_length
+        return self.max_completion_length or get_task(self.task).completion_budget(**self.difficulty)
 
     def run_settings(self) -> dict[str, Any]:
         """What every run of this study shares; a run saved with other settings is not reused."""

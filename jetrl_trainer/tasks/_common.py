@@ -45,6 +45,8 @@ class Task:
             the default difficulty under the character-level tiny tokenizer.
         description: one line for ``--help`` texts.
         difficulty_knobs: the keyword arguments ``make_dataset`` accepts besides ``n`` and ``seed``.
+        completion_length_for: ``(**difficulty) -> int``, the budget for other knob values, for tasks
+            whose answer length follows a knob; ``None`` = ``max_completion_length`` for any knobs.
     """
 
     name: str
@@ -54,6 +56,13 @@ class Task:
     max_completion_length: int
     description: str = ""
     difficulty_knobs: tuple[str, ...] = field(default_factory=tuple)
+    completion_length_for: Callable[..., int] | None = None
+
+    def completion_budget(self, **difficulty: Any) -> int:
+        """A completion budget in tokens that fits the reference answers at these knob values."""
+        if self.completion_length_for is None:
+            return self.max_completion_length
+        return self.completion_length_for(**difficulty)
 
 
 def user_prompt(content: str) -> list[dict[str, str]]:
