@@ -162,6 +162,15 @@ def test_unsupported_models_and_options_fall_back_once(caplog):
     assert warnings == ["jetrl: rollout_backend='engine' falls back to 'hf': generation option "
                         "repetition_penalty=1.3 is not implemented by the engine"]  # fmt: skip
     assert rollout.logprobs is not None and len(rollout.completion_ids) == len(PROMPTS)  # hf recorded them
+    auto = _backend()
+    auto.requested = "auto"  # chosen by rollout_backend='auto' on CUDA: falling back is expected, said at INFO
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="jetrl_trainer"):
+        auto.generate(qwen, PROMPTS, _config(do_sample=True, repetition_penalty=1.3))
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
+        (logging.INFO, "jetrl: rollout_backend='auto' falls back to 'hf': generation option repetition_penalty=1.3 "
+                       "is not implemented by the engine")
+    ]  # fmt: skip
 
 
 def test_zero3_sharded_parameters_fall_back(caplog):

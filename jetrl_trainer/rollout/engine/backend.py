@@ -23,7 +23,8 @@ logger = logging.getLogger("jetrl_trainer")
 
 
 class EngineBackend(RolloutBackend):
-    """The engine where it applies; ``fallback`` (the ``hf`` backend) elsewhere, said once per reason.
+    """The engine where it applies; ``fallback`` (the ``hf`` backend) elsewhere, said once per reason
+    (a warning when the engine was asked for, ``requested="engine"``; INFO when ``auto`` chose it).
 
     ``kv_cache_tokens`` bounds the KV cache: at most ``kv_cache_tokens // (longest prompt +
     max_new_tokens)`` sequences decode at once (the rest wait for a slot); ``None`` = all of them.
@@ -35,8 +36,9 @@ class EngineBackend(RolloutBackend):
 
     def __init__(
         self, *, eos_token_ids: Sequence[int], pad_token_id: int, fallback: HFGenerateBackend,
-        kv_cache_tokens: int | None = None, kv_cache_dtype: str = "auto",
+        kv_cache_tokens: int | None = None, kv_cache_dtype: str = "auto", requested: str = "engine",
     ) -> None:  # fmt: skip
+        self.requested = requested  # "auto": a fallback is the expected path for other models, said at INFO
         self.eos_token_ids = list(eos_token_ids)
         self.pad_token_id = pad_token_id
         self.fallback = fallback
@@ -49,7 +51,8 @@ class EngineBackend(RolloutBackend):
         if reason is not None:
             if reason not in self._reasons:
                 self._reasons.add(reason)
-                logger.warning("jetrl: rollout_backend='engine' falls back to 'hf': %s", reason)
+                level = logging.WARNING if self.requested == "engine" else logging.INFO
+                logger.log(level, "jetrl: rollout_backend=%r falls back to 'hf': %s", self.requested, reason)
             return self.fallback.generate(model, prompt_ids, sampling)
         engine = DecodeEngine(
             model, max_batch_size=self._max_batch_size(prompt_ids, sampling), kv_cache_dtype=self.kv_cache_dtype
