@@ -4,6 +4,10 @@ A fused kernel (RMSNorm + quant, SwiGLU + quant) writes an activation *and* its 
 quantization in one pass. It offers the pair here; ``quant/_dispatch.act_quant_fp8`` takes it
 instead of quantizing again. Entries are keyed by the activation's storage and version and live
 only as long as the activation, so a stale or mutated tensor is never served.
+
+Under ``torch.compile`` both ends are no-ops: the table is a side effect keyed by data pointers,
+which dynamo cannot trace, so a traced consumer quantizes again (the same bits, and inside the
+graph the compiler may fuse the two).
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ def _table() -> dict:
 
 def offer_prequantized(y: torch.Tensor, q: torch.Tensor, s: torch.Tensor, scale_format: str) -> None:
     """Record that ``(q, s)`` is the 1×128 FP8 quantization of ``y`` (as ``[-1, K]`` rows)."""
+    if torch.compiler.is_compiling():
+        return
     table, key = _table(), y.data_ptr()
     # The entry dies with y: its storage can be reused only after y is gone.
     ref = weakref.ref(y, lambda _r, key=key, table=table: table.pop(key, None))
@@ -36,6 +42,8 @@ def offer_prequantized(y: torch.Tensor, q: torch.Tensor, s: torch.Tensor, scale_
 
 def take_prequantized(x2d: torch.Tensor, scale_format: str) -> Optional[Pair]:
     """The pair offered for the activation ``x2d`` views, or None (then quantize as usual)."""
+    if torch.compiler.is_compiling():
+        return None
     entry = _table().get(x2d.data_ptr()) if x2d.dim() == 2 and x2d.is_contiguous() else None
     if entry is None:
         return None

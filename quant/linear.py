@@ -315,6 +315,10 @@ class QuantLinear(nn.Linear):
                 "DeepSpeed ZeRO-3 run the forward inside the parameter gather (the engine's hooks or "
                 "deepspeed.zero.GatheredParameters), never on the local shard."
             )
+        if torch.compiler.is_compiling():
+            # Traced (a captured actor update): quantize inside the graph, once per call. The cache's
+            # key compares data pointers, which dynamo cannot trace; the bits are the same.
+            return self._quantize_weight(recipe)
         qkey, state = _weight_quant_key(recipe), self._state_key()
         hit = self._weight_cache.get(qkey)
         if state is not None and hit is not None and hit[0] == state:

@@ -409,3 +409,61 @@ def test_forced_gemm_backend_also_drives_the_backward_gemms():
     finally:
         del gemm._backends["spy"]
         kernels.reset_kernel_caches()
+
+
+@pytest.mark.parametrize("name", ["fp8", "fp8_ue8m0", "nvfp4_dequantized"])
+def test_forward_backward_trace_in_one_graph_with_the_eager_bits(name):
+    # A captured actor update (issue 16) compiles the policy: the weight cache and the fused-quant
+    # hand-off (data-pointer keyed, untraceable) step aside while tracing; the bits stay the eager ones.
+    torch._dynamo.reset()
+    _, q = _pair(256, 384, recipes=RECIPES[name])
+    x, dy = torch.randn(64, 256), torch.randn(64, 384)
+    with precision_phase("train"):
+        eager = _run(q, x, dy)
+        q.weight.grad = q.bias.grad = None
+        before = q.weight_quantizations
+        compiled = torch.compile(q, backend="aot_eager", fullgraph=True)
+        traced = _run(compiled, x, dy)
+    assert q.weight_quantizations == before  # quantized inside the graph, not through the cache
+    assert_bits_equal(traced[0], eager[0])
+    for got, want in zip(traced[1], eager[1]):
+        assert_bits_equal(got, want)
+
+
+def test_the_prequantized_hand_off_is_a_no_op_while_tracing():
+    from jetrl_trainer.quant._handoff import offer_prequantized, take_prequantized
+
+    torch._dynamo.reset()
+
+    def offer_then_take(y):
+        q, s = quantize_fp8_groups(y)
+        offer_prequantized(y, q, s, "fp32")
+        return take_prequantized(y, "fp32") is None
+
+    y = torch.randn(4, 256)
+    assert torch.compile(offer_then_take, backend="aot_eager", fullgraph=True)(y)
+    assert not offer_then_take(y)  # eager: the pair is served
+
+
+def test_a_quantized_decoder_traces_forward_and_backward_in_one_graph():
+    from jetrl_trainer.quant import quantize_model
+    from jetrl_trainer.tiny import build_tiny_qwen3, build_tiny_tokenizer
+
+    torch._dynamo.reset()
+    model = build_tiny_qwen3(build_tiny_tokenizer(), num_hidden_layers=2, seed=0)
+    quantize_model(model, train="fp8", rollout="fp8")
+    ids = torch.randint(0, 100, (2, 64))
+
+    def loss(ids):
+        return torch.log_softmax(model(input_ids=ids).logits.float(), -1).mean()
+
+    with precision_phase("train"):
+        eager = loss(ids)
+        eager.backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        traced = torch.compile(loss, backend="aot_eager", fullgraph=True)(ids)
+        traced.backward()
+    assert_bits_equal(traced, eager)
+    for p, want in zip(model.parameters(), grads):
+        assert_bits_equal(p.grad, want)
