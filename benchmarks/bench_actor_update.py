@@ -9,10 +9,14 @@ so ``lm_head`` and the log-softmax stay BF16/FP32 as the recipe keeps them). Eac
 ids and advantages), ``accelerator.backward`` and ``optimizer.step()`` + ``zero_grad``: the same calls
 ``Trainer.training_step`` makes, minus GRPO's ``_prepare_inputs``, which would generate.
 
-Only the eager path exists; a captured actor update (CUDA graphs / torch.compile) is part of issue
-16 and not in this release, so the "captured" column is absent rather than faked.
+``--captured`` adds a second row per precision with the policy's backbone (the decoder layers, not
+the LM head and log-softmax, which TRL's fused head computes) under ``torch.compile``, after
+``kernels.resolve_dispatch``; the untimed warm-up steps include the compile. The trainer has no
+captured path yet; this measures what one would gain. Checked on CPU (``--compile-backend
+aot_eager``, toy sizes) only.
 
-Usage: ``python benchmarks/bench_actor_update.py [--layers 12] [--rows 4] [--prompt 256] [--completion 1792]``
+Usage: ``python benchmarks/bench_actor_update.py [--layers 12] [--rows 4] [--prompt 256] [--completion 1792]
+[--captured]``
 """
 
 from __future__ import annotations
@@ -65,11 +69,17 @@ def micro_batch(args, vocab: int) -> dict:
     return {k: v.to(args.device) for k, v in batch.items()}
 
 
-def measure(precision: str, args, tokenizer) -> dict:
+def measure(precision: str, args, tokenizer, captured: bool = False) -> dict:
     with tempfile.TemporaryDirectory() as out:
         trainer = build_trainer(precision, args, tokenizer, out)
         model, inputs = trainer.model, micro_batch(args, min(len(tokenizer), trainer.model.config.vocab_size))
         model.train()
+        if captured:
+            from jetrl_trainer.kernels import resolve_dispatch
+
+            resolve_dispatch(args.device)
+            backbone = model.model
+            backbone.forward = torch.compile(backbone.forward, backend=args.compile_backend, dynamic=False)
 
         def update():
             loss = trainer.compute_loss(model, inputs, num_items_in_batch=inputs["num_items_in_batch"])
@@ -91,7 +101,7 @@ def measure(precision: str, args, tokenizer) -> dict:
             sync()
             times.append(time.perf_counter() - start)
         times.sort()
-        row = dict(precision=precision, ms=round(1e3 * times[len(times) // 2], 2), loss=float(loss.detach()),
+        row = dict(precision=precision, captured=captured, ms=round(1e3 * times[len(times) // 2], 2), loss=float(loss.detach()),
                    tokens=args.rows * (args.prompt + args.completion))  # fmt: skip
         if args.device == "cuda":
             row["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
@@ -112,13 +122,20 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--shape", default="8b", choices=["8b", "tiny"], help="8b: Qwen3-8B layer shapes; tiny: CPU smoke")
     ap.add_argument("--device", default="cuda", help="cuda; cpu only checks that the script runs")
+    ap.add_argument("--captured", action="store_true", help="also time the backbone under torch.compile")
+    ap.add_argument("--compile-backend", default="inductor", help="torch.compile backend for --captured")
     args = ap.parse_args()
     tokenizer = build_tiny_tokenizer(model_max_length=4096)
-    rows = [measure(p, args, tokenizer) for p in ("bf16", "fp8")]
+    modes = (False, True) if args.captured else (False,)
+    rows = [measure(p, args, tokenizer, captured) for captured in modes for p in ("bf16", "fp8")]
     for row in rows:
         print(row, flush=True)
+    ms = {(r["precision"], r["captured"]): r["ms"] for r in rows}
     result = dict(benchmark="actor_update", env=environment(), args=vars(args), rows=rows,
-                  fp8_over_bf16=round(rows[0]["ms"] / rows[1]["ms"], 3))  # fmt: skip
+                  fp8_over_bf16=round(ms["bf16", False] / ms["fp8", False], 3))  # fmt: skip
+    if args.captured:
+        result["captured_fp8_over_bf16"] = round(ms["bf16", True] / ms["fp8", True], 3)
+        result["captured_fp8_over_eager_bf16"] = round(ms["bf16", False] / ms["fp8", True], 3)
     dump(result)
 
 

@@ -17,6 +17,8 @@ import importlib.util
 import logging
 from types import ModuleType
 
+import torch
+
 from jetrl_trainer.kernels import _triton_support
 from jetrl_trainer.kernels import emulated as _emulated  # noqa: F401  (registers "emulated")
 from jetrl_trainer.kernels._triton_support import triton_available, triton_enabled
@@ -33,6 +35,7 @@ from jetrl_trainer.kernels.gemm import (
 )
 
 __all__ = [
+    "resolve_dispatch",
     "auto_gemm_backends",
     "available_gemm_backends",
     "fp8_gemm_nt",
@@ -53,6 +56,20 @@ _OPTIONAL = (
 )
 _log = logging.getLogger(__name__)
 _loaded: dict[str, ModuleType] = {}
+
+
+def resolve_dispatch(device: torch.device | str | None = None) -> None:
+    """Fill, now, every dispatch cache a quantized forward/backward reads on ``device``: the GEMM
+    order, availability and automatic chain, ``JETRL_GEMM_BACKEND``, and whether Triton is enabled.
+
+    Call it right before ``torch.compile`` first traces a quantized model (a captured actor update).
+    Those caches fill on first use, and a first use inside the trace of an autograd Function is a
+    side effect dynamo refuses. Registering a GEMM backend empties them again.
+    """
+    available_gemm_backends(device)
+    auto_gemm_backends(device)
+    gemm_backend_forced()
+    triton_enabled()
 
 
 def optional_module(name: str) -> ModuleType | None:
