@@ -20,6 +20,7 @@ __all__ = [
     "extract_answer_span",
     "parse_number",
     "rng_for",
+    "score_each_answer",
     "user_prompt",
 ]
 
@@ -89,6 +90,13 @@ def completion_text(completion: Any) -> str:
     raise ValueError(
         f"completion must be a string or a list of chat messages, got {type(completion).__name__}"
     )
+
+
+def score_each_answer(score: Callable[[str, Any], float], completions: Any, answer: Any) -> list[float]:
+    """``score(text, answer)`` per completion, for the rewards that read one ``answer`` column."""
+    if len(completions) != len(answer):
+        raise ValueError(f"got {len(completions)} completions but {len(answer)} answers")
+    return [score(completion_text(c), a) for c, a in zip(completions, answer)]
 
 
 def extract_answer_span(text: str) -> str:

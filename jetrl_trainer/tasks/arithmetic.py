@@ -19,10 +19,10 @@ from typing import Any, Sequence
 
 from jetrl_trainer.tasks._common import (
     Task,
-    completion_text,
     extract_answer_span,
     parse_number,
     rng_for,
+    score_each_answer,
     user_prompt,
 )
 
@@ -97,9 +97,7 @@ def arithmetic_reward(
     prompts: Sequence[Any], completions: Sequence[Any], answer: Sequence[int], **kwargs: Any
 ) -> list[float]:
     """TRL reward function: reads the ``answer`` column."""
-    if len(completions) != len(answer):
-        raise ValueError(f"got {len(completions)} completions but {len(answer)} answers")
-    return [score(completion_text(c), int(a)) for c, a in zip(completions, answer)]
+    return score_each_answer(lambda text, a: score(text, int(a)), completions, answer)
 
 
 reward = arithmetic_reward  # TRL logs a reward under its __name__, so the function keeps the task name

@@ -17,7 +17,7 @@ import os
 import re
 from typing import Any, Sequence
 
-from jetrl_trainer.tasks._common import Task, completion_text, parse_number, user_prompt
+from jetrl_trainer.tasks._common import Task, parse_number, score_each_answer, user_prompt
 
 __all__ = [
     "DEFAULT_INSTRUCTION",
@@ -76,9 +76,7 @@ def gsm8k_reward(
     prompts: Sequence[Any], completions: Sequence[Any], answer: Sequence[str], **kwargs: Any
 ) -> list[float]:
     """TRL reward function: reads the ``answer`` column (the normalised final number)."""
-    if len(completions) != len(answer):
-        raise ValueError(f"got {len(completions)} completions but {len(answer)} answers")
-    return [score(completion_text(c), a) for c, a in zip(completions, answer)]
+    return score_each_answer(score, completions, answer)
 
 
 reward = gsm8k_reward  # TRL logs a reward under its __name__, so the function keeps the task name

@@ -22,11 +22,12 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from jetrl_trainer.tasks._common import Task, completion_text, extract_answer_span, rng_for, user_prompt
+from jetrl_trainer.tasks._common import Task, extract_answer_span, rng_for, score_each_answer, user_prompt
 
 __all__ = ["TASK", "make_dataset", "reference_answer", "reverse_reward", "reward", "score"]
 
 PREFIX_CREDIT = 0.5
+DEFAULT_MIN_DIGITS, DEFAULT_MAX_DIGITS = 8, 32
 
 
 def _check_difficulty(min_digits: int, max_digits: int, prompt_style: str) -> None:
@@ -37,7 +38,10 @@ def _check_difficulty(min_digits: int, max_digits: int, prompt_style: str) -> No
         raise ValueError(f"prompt_style must be 'short' or 'instruct', got {prompt_style!r}")
 
 
-def make_dataset(n: int, seed: int = 0, *, min_digits: int = 8, max_digits: int = 32, prompt_style: str = "short"):
+def make_dataset(
+    n: int, seed: int = 0, *, min_digits: int = DEFAULT_MIN_DIGITS, max_digits: int = DEFAULT_MAX_DIGITS,
+    prompt_style: str = "short",
+):
     """``n`` digit strings of ``min_digits`` to ``max_digits`` digits; columns ``prompt``, ``digits``, ``answer``."""
     from datasets import Dataset
 
@@ -57,7 +61,7 @@ def make_dataset(n: int, seed: int = 0, *, min_digits: int = 8, max_digits: int 
     return Dataset.from_dict(rows)
 
 
-def completion_length_for(*, max_digits: int = 32, **_: Any) -> int:
+def completion_length_for(*, max_digits: int = DEFAULT_MAX_DIGITS, **_: Any) -> int:
     """The answer's digits, plus room for the end-of-sequence token and a little slack."""
     return max_digits + 8
 
@@ -81,9 +85,7 @@ def reverse_reward(
     prompts: Sequence[Any], completions: Sequence[Any], answer: Sequence[str], **kwargs: Any
 ) -> list[float]:
     """TRL reward function: reads the ``answer`` column."""
-    if len(completions) != len(answer):
-        raise ValueError(f"got {len(completions)} completions but {len(answer)} answers")
-    return [score(completion_text(c), str(a)) for c, a in zip(completions, answer)]
+    return score_each_answer(lambda text, a: score(text, str(a)), completions, answer)
 
 
 reward = reverse_reward  # TRL logs a reward under its __name__, so the function keeps the task name
@@ -93,7 +95,7 @@ TASK = Task(
     make_dataset=make_dataset,
     reward_fn=reverse_reward,
     reference_answer=reference_answer,
-    max_completion_length=40,
+    max_completion_length=completion_length_for(),
     description="write a digit string backwards; completions as long as the prompt (min_digits..max_digits)",
     difficulty_knobs=("min_digits", "max_digits", "prompt_style"),
     completion_length_for=completion_length_for,
