@@ -101,8 +101,8 @@ def measure(precision: str, args, tokenizer, captured: bool = False) -> dict:
             sync()
             times.append(time.perf_counter() - start)
         times.sort()
-        row = dict(precision=precision, captured=captured, ms=round(1e3 * times[len(times) // 2], 2), loss=float(loss.detach()),
-                   tokens=args.rows * (args.prompt + args.completion))  # fmt: skip
+        row = dict(precision=precision, captured=captured, ms=round(1e3 * times[len(times) // 2], 2),
+                   loss=float(loss.detach()), tokens=args.rows * (args.prompt + args.completion))  # fmt: skip
         if args.device == "cuda":
             row["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         del trainer, model

@@ -254,7 +254,8 @@ def main() -> None:
     ap.add_argument("--kv-only", action="store_true", help="only the fixed-length engine runs, with an FP8 KV cache too")
     ap.add_argument("--refill", type=int, default=4,
                     help="variable-length case with refill: this many times the batch, through batch slots")
-    ap.add_argument("--variable-only", action="store_true", help="only the variable-length cases (and their fixed baseline)")
+    ap.add_argument("--variable-only", action="store_true",
+                    help="only the variable-length cases (and their fixed baseline)")
     args = ap.parse_args()
     gbs = copy_bandwidth_gbs()
     model = build_model(args.layers)

@@ -122,8 +122,9 @@ class JetGRPOConfig(GRPOConfig):
             with Triton and an FP8 phase. Other architectures are left as they are.
         rollout_backend (`str`, *optional*, defaults to `"auto"`):
             What generates the rollouts: `"auto"` (logged once: the decode engine on CUDA, transformers
-            `generate` elsewhere, the LLaDA sampler for LLaDA models), `"hf"` (transformers `generate`), `"continuous"` (transformers continuous
-            batching; the same as `use_transformers_continuous_batching=True`), `"engine"` (our decode
+            `generate` elsewhere, the LLaDA sampler for LLaDA models), `"hf"` (transformers `generate`),
+            `"continuous"` (transformers continuous batching; the same as
+            `use_transformers_continuous_batching=True`), `"engine"` (our decode
             engine, on the policy's own modules, for Llama/Qwen2/Qwen3; falls back to `"hf"` for
             anything else, with the reason logged once), `"vllm"` (TRL's vLLM generation and weight sync,
             `vllm_mode="colocate"` or `"server"`; the same as `use_vllm=True`; BF16 rollouts only, see
@@ -276,10 +277,10 @@ class JetGRPOConfig(GRPOConfig):
         metadata={
             "help": "What generates the rollouts: 'auto' (the decode engine on CUDA, 'hf' elsewhere, 'diffusion' "
             "for LLaDA; the choice is logged once), 'hf' (transformers generate), 'continuous' (transformers "
-            "continuous batching, same as use_transformers_continuous_batching=True), 'engine' (our decode engine on the policy's own modules, "
-            "Llama/Qwen2/Qwen3; falls back to 'hf' elsewhere, logged), 'diffusion' (the LLaDA sampler; auto picks it "
-            "for LLaDA models), 'vllm' (TRL's vLLM generation and weight sync, vllm_mode colocate or server; same as "
-            "use_vllm=True; BF16 rollouts only).",
+            "continuous batching, same as use_transformers_continuous_batching=True), 'engine' (our decode engine "
+            "on the policy's own modules, Llama/Qwen2/Qwen3; falls back to 'hf' elsewhere, logged), 'diffusion' "
+            "(the LLaDA sampler; auto picks it for LLaDA models), 'vllm' (TRL's vLLM generation and weight sync, "
+            "vllm_mode colocate or server; same as use_vllm=True; BF16 rollouts only).",
             "choices": list(ROLLOUT_BACKENDS),
         },
     )

@@ -8,7 +8,8 @@ attention and the KV cache are the engine's own (`attention.py`, `kv_cache.py`):
 batched decode differs from a training forward, and the only place the FP32 summation order may.
 
 Supported: ``model_type`` llama (Llama 2/3.x), qwen2 (q/k/v biases) and qwen3 (q/k norms), full
-attention only, with unsharded parameters (DDP, DeepSpeed ZeRO-1/2; not ZeRO-3). Anything else is refused with the reason, and the backend falls back to ``hf``.
+attention only, with unsharded parameters (DDP, DeepSpeed ZeRO-1/2; not ZeRO-3). Anything else is
+refused with the reason, and the backend falls back to ``hf``.
 """
 
 from __future__ import annotations
@@ -87,7 +88,8 @@ class DecoderView:
         attn = inner.layers[0].self_attn
         embed = inner.embed_tokens
         return cls(
-            model=base, embed=embed, layers=list(inner.layers), norm=inner.norm, rotary=inner.rotary_emb, lm_head=base.lm_head,
+            model=base, embed=embed, layers=list(inner.layers), norm=inner.norm, rotary=inner.rotary_emb,
+            lm_head=base.lm_head,
             apply_rope=sys.modules[type(attn).__module__].apply_rotary_pos_emb,
             num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads, head_dim=attn.head_dim,
             scaling=attn.scaling, dtype=embed.weight.dtype, device=embed.weight.device,
