@@ -3,7 +3,12 @@
 # and use it from outside the checkout (STYLE rule 12). Usage: .ci/check_wheel.sh [workdir]
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
-work="${1:-$(mktemp -d)}"
+if [ -n "${1:-}" ]; then
+  work="$1"
+else  # a folder of our own: removed on exit (a wheel venv with torch is a few GB)
+  work="$(mktemp -d)"
+  trap 'rm -rf "$work"' EXIT
+fi
 mkdir -p "$work/dist" "$work/outside"
 
 python3 -m pip wheel -q --no-deps "$repo" -w "$work/dist"
