@@ -118,10 +118,15 @@ class CompareArguments:
         default=False,
         metadata={"help": "Make the mismatch matter: 64-token completions, a 40-step warm start, temperature 1.3."},
     )
+    report_only: bool = field(
+        default=False,
+        metadata={"help": "Run nothing: write study.md and study.png from the finished runs in --output_dir and list "
+                          "the missing ones (e.g. after a GPU session ran out before the last run)."},
+    )  # fmt: skip
     gpu: bool = field(
         default=False,
         metadata={"help": "The GPU preset: a local ~0.3B Qwen3 (BF16) warm-started on CUDA, 256-token completions, "
-                          "the decode engine, 60 steps, 2 seeds (not yet run; see docs/study.md)."},
+                          "the decode engine, 32 steps, 2 seeds (docs/study.md, GPU results)."},
     )  # fmt: skip
 
 
@@ -176,7 +181,7 @@ def build(args: CompareArguments):
         learning_rate=args.learning_rate, eval_prompts=args.eval_prompts, eval_phase=args.eval_phase,
         sft_examples=args.sft_examples, difficulty=_pairs(args.difficulty), trainer_kwargs=trainer_kwargs,
     )  # fmt: skip
-    if args.device == "cuda":
+    if args.device == "cuda" and not args.report_only:  # a report reads files only
         import torch
 
         if not torch.cuda.is_available():
@@ -206,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         spec, model = build(args)
         print(f"study: {spec.task}, {len(spec.strategies)} strategies x {len(spec.seeds)} seeds, {spec.steps} steps "
               f"-> {args.output_dir}")  # fmt: skip
-        out = run_study(spec, model, args.output_dir)
+        out = run_study(spec, model, args.output_dir, run=not args.report_only)
     except ValueError as err:  # bad names, or a folder holding runs of other settings
         raise SystemExit(f"error: {err}") from None
     print(out.table.read_text())

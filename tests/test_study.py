@@ -9,6 +9,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -232,6 +233,40 @@ def test_resume_skips_finished_runs_and_redoes_unfinished_ones(fast_study, capsy
         cli.main([*FAST_ARGS, "--output_dir", str(out), "--steps", "4"])
     with pytest.raises(SystemExit, match="finished run with another model"):
         cli.main([*FAST_ARGS, "--output_dir", str(out), "--warm_start_steps", "11"])
+
+
+def _copy_without(out: Path, tmp_path: Path, unfinished: str) -> Path:
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    (copy / unfinished / "seed0" / "result.json").unlink()
+    return copy
+
+
+def test_report_only_runs_nothing_and_names_the_missing_runs(fast_study, tmp_path, capsys, one_thread):
+    copy = _copy_without(fast_study[0], tmp_path, "fp8-fp8")
+    stamp = (copy / "fp8-fp8" / "seed0" / "metrics.jsonl").stat().st_mtime_ns
+    assert _script_module().main([*FAST_ARGS, "--output_dir", str(copy), "--report_only"]) == 0
+    assert "ran 0, skipped 1 finished" in capsys.readouterr().out
+    assert list(_table(copy)) == ["bf16/fp8+ais"]
+    assert "**Not run:** fp8/fp8 seed 0 (this table covers the finished runs only)." in (copy / "study.md").read_text()
+    assert (copy / "fp8-fp8" / "seed0" / "metrics.jsonl").stat().st_mtime_ns == stamp
+
+
+def test_runs_record_their_start_and_a_differing_rebuilt_start_is_flagged(fast_study, tmp_path, capsys, one_thread):
+    out = fast_study[0]
+    starts = {_read(out / slug / "seed0")[1]["start_fingerprint"] for slug in ("bf16-fp8-ais", "fp8-fp8")}
+    assert len(starts) == 1 and re.fullmatch(r"[0-9a-f]{16}", starts.pop())  # one warm start per seed
+    copy = _copy_without(out, tmp_path, "fp8-fp8")
+    cli = _script_module()
+    assert cli.main([*FAST_ARGS, "--output_dir", str(copy)]) == 0  # the CPU warm start rebuilds bit for bit
+    assert "differs" not in capsys.readouterr().out and "Warning" not in (copy / "study.md").read_text()
+    finished = copy / "bf16-fp8-ais" / "seed0" / "result.json"
+    finished.write_text(json.dumps({**json.loads(finished.read_text()), "start_fingerprint": "0" * 16}))
+    (copy / "fp8-fp8" / "seed0" / "result.json").unlink()
+    assert cli.main([*FAST_ARGS, "--output_dir", str(copy)]) == 0
+    printed = capsys.readouterr().out
+    assert "warning: seed 0's rebuilt start differs from the one its finished runs began with" in printed
+    assert "**Warning:** the runs of seed(s) 0 began from different weights" in (copy / "study.md").read_text()
 
 
 # ---------------------------------------------------------------------------------- LLaDA

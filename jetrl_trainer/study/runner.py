@@ -5,6 +5,10 @@ strategies of a seed start from the same weights, train on the same prompts in t
 shuffles with the run seed) and draw from the same RNG stream. Finished runs are skipped (see
 `_files`), so an interrupted study resumes where it stopped; a finished run made with other
 settings or another model is refused rather than mixed into the table.
+
+Each run records a fingerprint of the weights it started from. A resume rebuilds the model, and a
+GPU warm start is not bit-reproducible, so when the rebuilt start differs from the one a seed's
+finished runs used, the study says so (in the log and in ``study.md``) instead of hiding it.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from .models import ModelBuilder, PretrainedModel, describe_builder
 from .spec import StudySpec
 from .strategy import Strategy
 
-__all__ = ["StudyOutputs", "run_study"]
+__all__ = ["StudyOutputs", "run_study", "weights_fingerprint"]
 
 
 @dataclass(frozen=True)
@@ -43,10 +47,13 @@ def run_study(
     *,
     progress: bool = True,
     log: Callable[[str], None] = print,
+    run: bool = True,
 ) -> StudyOutputs:
     """Run what is missing of ``spec`` into ``output_dir``; write ``study.md`` and ``study.png`` there.
 
     ``model`` is a builder (`TinyModel`, `PretrainedModel` or your own callable) or a checkpoint id.
+    ``run=False`` builds and runs nothing: the table and plot cover the finished runs, and
+    ``study.md`` lists the missing ones (for a study cut short where its hardware was).
     """
     from jetrl_trainer.tasks import get_task
 
@@ -57,25 +64,35 @@ def run_study(
     identity = {"settings": spec.run_settings(), "model": describe_builder(builder)}
     identity = json.loads(json.dumps(identity))  # tuples -> lists, as read back from result.json
     task, data = get_task(spec.task), make_study_data(spec)
-    ran, skipped = [], []
+    ran, skipped, missing = [], [], []
     for seed in spec.seeds:
         pending = [s for s in spec.strategy_objects if not _finished(output_dir, s, seed, identity)]
         skipped += [f"{s.name} seed {seed}" for s in spec.strategy_objects if s not in pending]
+        if not run:
+            missing += [f"{s.name} seed {seed}" for s in pending]
+            pending = []
         if not pending:
             continue
         log(f"seed {seed}: building the model ({identity['model']['builder'].rsplit('.', 1)[-1]})")
         base, tokenizer = builder(seed=seed, task=task, max_completion_length=spec.completion_length(),
                                   sft_dataset=data.sft)  # fmt: skip
+        start = weights_fingerprint(base)
+        earlier = _start_fingerprints(output_dir, spec, seed) - {start}
+        if earlier:
+            log(f"warning: seed {seed}'s rebuilt start differs from the one its finished runs began with (a GPU "
+                "warm start is not bit-reproducible); study.md marks the seed. Run a seed in one call to avoid it.")
         for strategy in pending:
-            _run_one(spec, strategy, seed, base, tokenizer, task, data, output_dir, identity, progress)
+            _run_one(spec, strategy, seed, base, tokenizer, task, data, output_dir, identity, progress, start)
             ran.append(f"{strategy.name} seed {seed}")
         del base
     if skipped:
         log(f"skipped {len(skipped)} finished run(s): {', '.join(skipped)}")
+    if missing:
+        log(f"not run (run=False): {', '.join(missing)}")
     runs = load_runs(output_dir, spec)
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    write_table(runs, out / "study.md", spec, identity["model"])
+    write_table(runs, out / "study.md", spec, identity["model"], missing=missing)
     plot_study(runs, out / "study.png", spec)
     return StudyOutputs(out / "study.md", out / "study.png", tuple(ran), tuple(skipped))
 
@@ -94,7 +111,26 @@ def _finished(output_dir, strategy: Strategy, seed: int, identity: dict[str, Any
     return True
 
 
-def _run_one(spec, strategy, seed, base, tokenizer, task, data: StudyData, output_dir, identity, progress) -> None:
+def weights_fingerprint(model) -> str:
+    """SHA-256 (first 16 hex digits) of ``model``'s parameters and buffers, by name, bit for bit."""
+    import hashlib
+
+    import torch
+
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().reshape(-1).view(torch.uint8).cpu().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def _start_fingerprints(output_dir, spec: StudySpec, seed: int) -> set[str]:
+    found = (read_run(run_dir(output_dir, s.slug, seed)) for s in spec.strategy_objects)
+    return {f[1]["start_fingerprint"] for f in found if f is not None and "start_fingerprint" in f[1]}
+
+
+def _run_one(spec, strategy, seed, base, tokenizer, task, data: StudyData, output_dir, identity, progress,
+             start_fingerprint: str) -> None:  # fmt: skip
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
     from jetrl_trainer import JetGRPOTrainer
@@ -115,7 +151,8 @@ def _run_one(spec, strategy, seed, base, tokenizer, task, data: StudyData, outpu
     trainer.train()
     seconds = time.perf_counter() - start
     after = evaluate_policy(trainer, task, data.eval, phase=spec.eval_phase)
-    result = {"strategy": strategy.name, "seed": seed, **identity, "rows": len(recorder.rows),
+    result = {"strategy": strategy.name, "seed": seed, **identity, "start_fingerprint": start_fingerprint,
+              "rows": len(recorder.rows),
               "train_seconds": seconds, "eval_before": before, "eval_after": after}  # fmt: skip
     write_run(folder, recorder.rows, result)
     del trainer

@@ -10,6 +10,7 @@ for the rewards, the mean over seeds for times and mean mismatch, the max for th
 from __future__ import annotations
 
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -100,7 +101,9 @@ _HEADER = (
 )
 
 
-def write_table(runs: list[Run], path: Path, spec: StudySpec, model: dict[str, Any]) -> None:
+def write_table(
+    runs: list[Run], path: Path, spec: StudySpec, model: dict[str, Any], missing: Sequence[str] = ()
+) -> None:
     rows = summarize(runs, spec.window)
     n_eval = runs[0].result["eval_after"]["n"] if runs else 0
     shown = ", ".join(f"{k}={v}" for k, v in model.items() if k != "builder")
@@ -119,5 +122,23 @@ answers; mean ± sample std over seeds.
 of the optimizer step.
 
 {_HEADER}
-""" + "".join(format_row(r) + "\n" for r in rows)  # fmt: skip
+""" + "".join(format_row(r) + "\n" for r in rows) + _mixed_starts_note(runs) + _missing_note(missing)  # fmt: skip
     path.write_text(text)
+
+
+def _missing_note(missing: Sequence[str]) -> str:
+    return f"\n**Not run:** {', '.join(missing)} (this table covers the finished runs only).\n" if missing else ""
+
+
+def _mixed_starts_note(runs: list[Run]) -> str:
+    """A warning line per seed whose runs began from different weights (a resumed GPU warm start)."""
+    starts: dict[int, set[str]] = {}
+    for run in runs:
+        if "start_fingerprint" in run.result:
+            starts.setdefault(run.seed, set()).add(run.result["start_fingerprint"])
+    mixed = sorted(seed for seed, found in starts.items() if len(found) > 1)
+    if not mixed:
+        return ""
+    return (f"\n**Warning:** the runs of seed(s) {', '.join(map(str, mixed))} began from different weights (the "
+            "study was resumed and the warm start was rebuilt, not bit for bit), so their rows compare slightly "
+            "different starts.\n")  # fmt: skip
