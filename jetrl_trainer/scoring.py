@@ -22,9 +22,9 @@ from torch import Tensor, nn
 from transformers import GenerationConfig
 
 from jetrl_trainer.quant import precision_phase
-from jetrl_trainer.rollout import processed_logprobs
+from jetrl_trainer.rollout import position_ids_from_mask, processed_logprobs
 
-__all__ = ["AutoregressiveScorer", "PolicyScorer", "completion_inputs"]
+__all__ = ["AutoregressiveScorer", "PolicyScorer", "completion_inputs", "generation_positions"]
 
 
 def completion_inputs(batch: dict[str, Any]) -> tuple[Tensor, Tensor, int]:
@@ -32,6 +32,29 @@ def completion_inputs(batch: dict[str, Any]) -> tuple[Tensor, Tensor, int]:
     input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
     attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
     return input_ids, attention_mask, batch["completion_ids"].size(1)
+
+
+@contextlib.contextmanager
+def generation_positions(model: nn.Module):
+    """While open, a forward of ``model`` given a mask but no ``position_ids`` numbers positions as ``generate`` does.
+
+    TRL's log-prob forward passes no ``position_ids``, so transformers counts a left-padded row's
+    pads and its RoPE angles are offset from the rollout's: the same attention in exact arithmetic,
+    not in rounding (on a tiny FP32 Qwen3, 3.6e-7 in the logits). ``generate``, the engine and vLLM
+    all number a prompt from its first real token, so the training forward does too.
+    """
+
+    def add_positions(module: nn.Module, args: tuple, kwargs: dict[str, Any]):
+        mask = kwargs.get("attention_mask")
+        if kwargs.get("position_ids") is None and isinstance(mask, Tensor) and mask.dim() == 2:
+            kwargs["position_ids"] = position_ids_from_mask(mask)
+        return args, kwargs
+
+    handle = model.register_forward_pre_hook(add_positions, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 class PolicyScorer(ABC):
@@ -82,7 +105,7 @@ class PolicyScorer(ABC):
 
 
 class AutoregressiveScorer(PolicyScorer):
-    """K = 1: TRL's own per-token log-probs (``log_softmax(logits / temperature)``).
+    """K = 1: TRL's own per-token log-probs (``log_softmax(logits / temperature)``), positions as ``generate``'s.
 
     `rollout_logps` scores the distribution the sampler draws from: the generation config's
     warpers (temperature, top-k, top-p, min-p) applied to a rollout-phase forward, the teacher-forced
@@ -106,13 +129,14 @@ class AutoregressiveScorer(PolicyScorer):
         self._autocast = autocast
 
     def token_logps(self, model, input_ids, attention_mask, logits_to_keep, slices, **options):
-        return self._trl_token_logps(model, input_ids, attention_mask, logits_to_keep, **options)
+        with generation_positions(model):
+            return self._trl_token_logps(model, input_ids, attention_mask, logits_to_keep, **options)
 
     @torch.no_grad()
     def rollout_logps(self, model: nn.Module, batch: dict[str, Any], *, batch_size: int) -> Tensor:
         input_ids, attention_mask, T = completion_inputs(batch)
         rows = []
-        with precision_phase("rollout"), self._autocast():
+        with precision_phase("rollout"), self._autocast(), generation_positions(model):
             for start in range(0, input_ids.size(0), batch_size):
                 chunk = slice(start, start + batch_size)
                 # Position p predicts token p + 1: keep the T logits that predict the completion.

@@ -147,7 +147,7 @@ def test_each_distinct_prompt_is_prefilled_once(monkeypatch):
 def test_prefill_gives_the_training_forwards_kv_for_unpadded_prompts():
     # The prefill is the model's own forward: on equal-length prompts (no padding, so the same RoPE
     # positions) its KV is the bits a training-style forward computes (on the H200 the engine's former
-    # masked prefill was 0.19 nats off on the first token). Padded prompts: see docs/trainer.md.
+    # masked prefill was 0.19 nats off on the first token). Padded prompts: test_generation_positions.py.
     model = build_tiny_qwen3(tokenizer()).eval()
     quantize_model(model, train="fp8", rollout="fp8")
     prompts = [(5, 6, 7, 8), (9, 10, 11, 12), (5, 6, 7, 8)]

@@ -21,7 +21,7 @@ from transformers import GenerationConfig
 from .base import Rollout, RolloutBackend
 from .sampling import SampledLogprobRecorder, split_sampling_config
 
-__all__ = ["HFGenerateBackend", "generate_with_logprobs", "left_pad", "truncate_after_eos"]
+__all__ = ["HFGenerateBackend", "generate_with_logprobs", "left_pad", "position_ids_from_mask", "truncate_after_eos"]
 
 
 def left_pad(
@@ -38,6 +38,11 @@ def left_pad(
             input_ids[row, width - len(ids) :] = torch.as_tensor(ids, dtype=torch.long)
             attention_mask[row, width - len(ids) :] = 1
     return input_ids, attention_mask
+
+
+def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
+    """RoPE positions ``(B, L)`` as ``generate`` numbers them: from each row's first real token; pads get 1."""
+    return (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
 
 
 def truncate_after_eos(

@@ -32,7 +32,7 @@ from transformers import DynamicCache, GenerationConfig
 from jetrl_trainer._choices import KV_CACHE_DTYPES, check_choice
 from jetrl_trainer._hashing import M32, mix32
 
-from ..hf_generate import left_pad
+from ..hf_generate import left_pad, position_ids_from_mask
 from .architecture import DecoderView
 from .attention import decode_attention
 from .graphs import DecodeGraphs, cuda_graphs_available
@@ -145,7 +145,7 @@ class DecodeEngine:
         v = self.view
         ids, mask = left_pad(prompts, pad_token_id)
         ids, mask = ids.to(v.device), mask.to(v.device)
-        positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)  # as generate's prepare_inputs
+        positions = position_ids_from_mask(mask)  # as generate's prepare_inputs
         cache = DynamicCache()
         out = v.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                       use_cache=True, logits_to_keep=1)  # fmt: skip
