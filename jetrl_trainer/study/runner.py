@@ -58,7 +58,7 @@ def run_study(
     from jetrl_trainer.tasks import get_task
 
     from .plot import plot_study
-    from .summary import load_runs, write_table
+    from .summary import load_runs, mixed_start_seeds, write_table
 
     builder = PretrainedModel(model) if isinstance(model, str) else model
     identity = {"settings": spec.run_settings(), "model": describe_builder(builder)}
@@ -77,10 +77,6 @@ def run_study(
         base, tokenizer = builder(seed=seed, task=task, max_completion_length=spec.completion_length(),
                                   sft_dataset=data.sft)  # fmt: skip
         start = weights_fingerprint(base)
-        earlier = _start_fingerprints(output_dir, spec, seed) - {start}
-        if earlier:
-            log(f"warning: seed {seed}'s rebuilt start differs from the one its finished runs began with (a GPU "
-                "warm start is not bit-reproducible); study.md marks the seed. Run a seed in one call to avoid it.")
         for strategy in pending:
             _run_one(spec, strategy, seed, base, tokenizer, task, data, output_dir, identity, progress, start)
             ran.append(f"{strategy.name} seed {seed}")
@@ -90,6 +86,9 @@ def run_study(
     if missing:
         log(f"not run (run=False): {', '.join(missing)}")
     runs = load_runs(output_dir, spec)
+    for seed in mixed_start_seeds(runs):
+        log(f"warning: seed {seed}'s rebuilt start differs from the one its finished runs began with (a GPU "
+            "warm start is not bit-reproducible); study.md marks the seed. Run a seed in one call to avoid it.")
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     write_table(runs, out / "study.md", spec, identity["model"], missing=missing)
@@ -122,11 +121,6 @@ def weights_fingerprint(model) -> str:
         digest.update(name.encode())
         digest.update(tensor.detach().reshape(-1).view(torch.uint8).cpu().numpy().tobytes())
     return digest.hexdigest()[:16]
-
-
-def _start_fingerprints(output_dir, spec: StudySpec, seed: int) -> set[str]:
-    found = (read_run(run_dir(output_dir, s.slug, seed)) for s in spec.strategy_objects)
-    return {f[1]["start_fingerprint"] for f in found if f is not None and "start_fingerprint" in f[1]}
 
 
 def _run_one(spec, strategy, seed, base, tokenizer, task, data: StudyData, output_dir, identity, progress,

@@ -130,13 +130,17 @@ def _missing_note(missing: Sequence[str]) -> str:
     return f"\n**Not run:** {', '.join(missing)} (this table covers the finished runs only).\n" if missing else ""
 
 
-def _mixed_starts_note(runs: list[Run]) -> str:
-    """A warning line per seed whose runs began from different weights (a resumed GPU warm start)."""
+def mixed_start_seeds(runs: list[Run]) -> list[int]:
+    """The seeds whose runs began from different weights (a resumed, rebuilt GPU warm start)."""
     starts: dict[int, set[str]] = {}
     for run in runs:
         if "start_fingerprint" in run.result:
             starts.setdefault(run.seed, set()).add(run.result["start_fingerprint"])
-    mixed = sorted(seed for seed, found in starts.items() if len(found) > 1)
+    return sorted(seed for seed, found in starts.items() if len(found) > 1)
+
+
+def _mixed_starts_note(runs: list[Run]) -> str:
+    mixed = mixed_start_seeds(runs)
     if not mixed:
         return ""
     return (f"\n**Warning:** the runs of seed(s) {', '.join(map(str, mixed))} began from different weights (the "
