@@ -78,8 +78,8 @@ def sweep(ms: list[int], gbs: float) -> list[dict]:
     """Best decode-kernel launch per (shape, M) over a small grid of launch parameters (prequantized
     activation, as the engine's fused producers hand it over)."""
     base = dict(dg.LAUNCH)
-    keys = ("BLOCK_N", "WAVES", "SWAP_BELOW_M", "num_warps", "num_stages")
-    grid = list(itertools.product((64, 128), (1, 2, 4), (0, 128), (4,), (3, 4)))
+    keys = ("BLOCK_N", "WAVES", "SWAP_BELOW_M", "num_warps", "num_stages", "MIN_GROUPS_PER_SPLIT")
+    grid = list(itertools.product((64, 128), (1, 2, 4), (0, 128), (4,), (3, 4), (1, 4)))
     best = []
     for (name, (n, k)), m in itertools.product(SHAPES.items(), ms):
         x_q, x_s = act_quant_fp8(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
@@ -109,7 +109,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--m", default="1,16,32,64,128,256")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--min-groups", type=int, default=None, help="the decode kernel's MIN_GROUPS_PER_SPLIT")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="comma list of " + ", ".join(SHAPES))
     args = ap.parse_args()
+    if args.min_groups:
+        dg.LAUNCH["MIN_GROUPS_PER_SPLIT"] = args.min_groups
+    for name in set(SHAPES) - set(args.shapes.split(",")):
+        del SHAPES[name]
     ms = [int(v) for v in args.m.split(",")]
     gbs = copy_bandwidth_gbs()
     rows = []

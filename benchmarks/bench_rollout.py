@@ -109,12 +109,47 @@ def mismatch(model, ps, completions, logprobs, rows: int = 8) -> float:
     return (lp.cpu() - torch.tensor(logprobs)).abs().mean().item()
 
 
+# Engine variants for --variants: the engine of 2026-12-02 against the code before it (attention
+# launch, fused q/k norms, decode-GEMM split length), and without the q/k-norm fusion alone.
+VARIANTS = {
+    "shipped": dict(attention={}, fuse_qk_norms=True, min_groups_per_split=None),
+    "before": dict(attention=dict(splits=8, block_n=32, flash_order=False), fuse_qk_norms=False, min_groups_per_split=1,
+                   look_ahead=False),
+    "unfused_qk": dict(attention={}, fuse_qk_norms=False, min_groups_per_split=None),
+    "no_look_ahead": dict(attention={}, fuse_qk_norms=True, min_groups_per_split=None, look_ahead=False),
+}
+VARIANT = VARIANTS["shipped"]
+
+
+def new_engine(model, **kwargs) -> DecodeEngine:
+    engine = DecodeEngine(model, **kwargs)
+    engine.attention_options = dict(VARIANT["attention"])
+    engine.look_ahead = VARIANT.get("look_ahead", True)
+    if not VARIANT["fuse_qk_norms"]:
+        engine.view.qk_norms = []  # the q/k norm modules run on their own, as before the fused launch
+    return engine
+
+
+@contextlib.contextmanager
+def engine_variant(name: str):
+    from jetrl_trainer.kernels import triton_decode_gemm as dg
+
+    global VARIANT
+    saved, saved_min = VARIANT, dg.LAUNCH["MIN_GROUPS_PER_SPLIT"]
+    VARIANT = VARIANTS[name]
+    dg.LAUNCH["MIN_GROUPS_PER_SPLIT"] = VARIANT["min_groups_per_split"] or saved_min
+    try:
+        yield
+    finally:
+        VARIANT, dg.LAUNCH["MIN_GROUPS_PER_SPLIT"] = saved, saved_min
+
+
 def warm_up(model, ps, config, batch: int, kv_cache_dtype: str) -> None:
     """Compile every Triton kernel the timed run can reach, outside the timing: rows that stop one
     step apart walk the live batch down through every CUDA-graph bucket (each a new GEMM M)."""
     rows = min(batch, len(ps))
     short = GenerationConfig(**{**config.to_dict(), "max_new_tokens": rows + 1})
-    DecodeEngine(model, kv_cache_dtype=kv_cache_dtype, max_batch_size=batch).generate(
+    new_engine(model, kv_cache_dtype=kv_cache_dtype, max_batch_size=batch).generate(
         ps[:rows], short, eos_token_ids=[-1], seed=0, row_budgets=[i + 1 for i in range(rows)]
     )
 
@@ -141,7 +176,7 @@ def run_case(
         phase = "rollout" if precision == "fp8" else "train"
         with torch.no_grad(), precision_phase(phase):
             if backend == "engine":
-                engine = DecodeEngine(model, kv_cache_dtype=kv[0] if kv else "auto", max_batch_size=batch)
+                engine = new_engine(model, kv_cache_dtype=kv[0] if kv else "auto", max_batch_size=batch)
                 fn = lambda: engine.generate(ps, config, eos_token_ids=[-1], seed=0, row_budgets=budgets)  # noqa: E731
                 warm_up(model, ps, config, batch, kv[0] if kv else "auto")
             else:
@@ -256,12 +291,25 @@ def main() -> None:
                     help="variable-length case with refill: this many times the batch, through batch slots")
     ap.add_argument("--variable-only", action="store_true",
                     help="only the variable-length cases (and their fixed baseline)")
+    ap.add_argument("--variants", default="",
+                    help=f"comma list of engine variants ({', '.join(VARIANTS)}): only their fixed-length engine "
+                         "runs, BF16 and FP8 (with --kv-only, an FP8 KV cache too for 'shipped'), one row set per variant")  # fmt: skip
     args = ap.parse_args()
     gbs = copy_bandwidth_gbs()
     model = build_model(args.layers)
     if args.profile_only:
         profile = {f"b{b}": profile_step(model, b, args.new) for b in map(int, args.batches.split(","))}
         dump(dict(benchmark="rollout_profile", env=environment(), layers=args.layers, step_profile=profile))
+        return
+    if args.variants:
+        rows = []
+        for name in args.variants.split(","):
+            with engine_variant(name):
+                for b in map(int, args.batches.split(",")):
+                    for row in run_case(model, b, args.new, gbs, True, False, args.kv_only and name == "shipped"):
+                        rows.append(dict(variant=name, **row))
+        dump(dict(benchmark="rollout_variants", env=environment(), copy_gbs=round(gbs, 1), layers=args.layers,
+                  variants={n: VARIANTS[n] for n in args.variants.split(",")}, rows=rows))  # fmt: skip
         return
     if args.kv_only:
         rows = [r for b in map(int, args.batches.split(",")) for r in run_case(model, b, args.new, gbs, True, False, True)]

@@ -141,7 +141,8 @@ class JetGRPOConfig(GRPOConfig):
             `rollout_backend="engine"` only: `"auto"` keeps keys/values in the model dtype; `"fp8"` stores
             them in FP8 E4M3 with one FP32 scale per token and KV head (about half the cache memory and
             attention bytes). The rollout then departs from the training forward, so it is refused in the
-            unified flow (`train_precision == rollout_precision`) and needs a corrector.
+            unified flow (`train_precision == rollout_precision`) and needs a corrector. It saves memory,
+            not time (1.3-1.5x slower than the model-dtype cache on an H200, docs/benchmarks.md §7).
         diffusion_steps (`int`, *optional*):
             Diffusion LMs (LLaDA) only: denoising steps per completion, a multiple of the number of
             blocks. `None` = `max_completion_length // 2` (two tokens per step, as d1).
@@ -306,7 +307,8 @@ class JetGRPOConfig(GRPOConfig):
             "help": "rollout_backend='engine' only: 'auto' keeps the KV cache in the model dtype; 'fp8' stores keys "
             "and values in FP8 E4M3 with one FP32 scale per token and KV head (about half the cache memory and "
             "attention bytes). It departs from the training forward: refused in the unified flow (train_precision "
-            "== rollout_precision), and needs a corrector to manage the mismatch.",
+            "== rollout_precision), and needs a corrector to manage the mismatch. It saves memory, not time (1.3-1.5x "
+            "slower on an H200).",
             "choices": list(KV_CACHE_DTYPES),
         },
     )

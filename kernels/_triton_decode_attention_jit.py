@@ -4,7 +4,8 @@ Phase 1, one program per (row, KV head, split): the G query heads that share the
 to the split's live positions with an online softmax; it writes its running max ``m``, sum ``l``
 and unnormalized output ``acc`` in FP32. Positions past the row's length are never loaded. ``KV_FP8``: FP8 caches with one FP32 scale per
 (slot, KV head, position), dequantized to the query dtype as they are loaded.
-Phase 2, one program per (row, query head): rescales and sums the splits.
+Phase 2, one program per (row, query head): rescales and sums the splits. With one split
+(``DIRECT``) phase 1 writes the normalized output itself, the same bits phase 2 would give.
 ``FLASH_ORDER`` follows flash attention's arithmetic instead (tiles newest first, exp2 of raw scores
 times scale·log2(e), normalized by a reciprocal), so that with one split of the training kernel's
 tile size the summation order is closer to the training forward's.
@@ -16,16 +17,16 @@ import triton.language as tl
 
 @triton.jit
 def decode_attention_split_kernel(
-    q_ptr, k_ptr, v_ptr, slots_ptr, lengths_ptr, m_ptr, l_ptr, acc_ptr, ks_ptr, vs_ptr,
+    q_ptr, k_ptr, v_ptr, slots_ptr, lengths_ptr, m_ptr, l_ptr, acc_ptr, ks_ptr, vs_ptr, out_ptr,
     scale,
     stride_qb, stride_qh,
     stride_ks, stride_kh, stride_kt,
     stride_vs, stride_vh, stride_vt,
     stride_mb, stride_mh,
     stride_ab, stride_ah, stride_as,
-    stride_ss, stride_sh,
+    stride_ss, stride_sh, stride_ob, stride_oh,
     GROUPS: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr,
-    PRECISION: tl.constexpr, KV_FP8: tl.constexpr, FLASH_ORDER: tl.constexpr,
+    PRECISION: tl.constexpr, KV_FP8: tl.constexpr, FLASH_ORDER: tl.constexpr, DIRECT: tl.constexpr,
 ):  # fmt: skip
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     length = tl.load(lengths_ptr + b).to(tl.int32)
@@ -74,6 +75,14 @@ def decode_attention_split_kernel(
                 v = (v.to(tl.float32) * v_s[:, None]).to(q.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
+    if DIRECT:  # one split: the normalized output, as phase 2 would compute it with a weight of exactly 1
+        if FLASH_ORDER:
+            o = acc * (1.0 / l_i)[:, None]
+        else:
+            o = acc / l_i[:, None]
+        dst = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
+        tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
+        return
     row = b * stride_mb + heads * stride_mh + split
     tl.store(m_ptr + row, m_i, mask=g_ok)
     tl.store(l_ptr + row, l_i, mask=g_ok)

@@ -31,6 +31,18 @@ def _store_quantized_row(y, row, K, q_ptr, s_ptr, stride_qm, stride_sm,
 
 
 @triton.jit
+def rms_divisor(x, k_float, eps, LEVELS: tl.constexpr):
+    """``sqrt(mean(x²) + eps)`` of one FP32 row (zeros past K) as ``rmsnorm_reference`` computes it:
+    squares summed in a pairwise tree of adjacent pairs, a true division by ``k_float`` = fp32(K)
+    (exact below 2^24), correctly rounded sqrt. Needs ``enable_fp_fusion=False`` (no FMA contraction)."""
+    total = x * x
+    for _ in tl.static_range(LEVELS):  # LEVELS = log2(width) - 1 halvings, then the last pair
+        total = tl.sum(tl.reshape(total, (total.shape[0] // 2, 2)), axis=1)
+    total = tl.sum(total, axis=0)  # the last pair: one commutative add
+    return tl.math.sqrt_rn(tl.math.div_rn(total, k_float) + eps)
+
+
+@triton.jit
 def rmsnorm_quant_kernel(
     x_ptr, w_ptr, y_ptr, q_ptr, s_ptr, K, k_float, eps, stride_xm, stride_ym, stride_qm, stride_sm,
     BLOCK_K: tl.constexpr, LEVELS: tl.constexpr, GROUP: tl.constexpr, UE8M0: tl.constexpr,
@@ -41,12 +53,7 @@ def rmsnorm_quant_kernel(
     mask = cols < K
     x_raw = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0)
     x = x_raw.to(tl.float32)
-    total = x * x
-    for _ in tl.static_range(LEVELS):  # pairwise tree, adjacent pairs: matches the torch reference
-        total = tl.sum(tl.reshape(total, (total.shape[0] // 2, 2)), axis=1)
-    total = tl.sum(total, axis=0)  # the last pair: one commutative add
-    var = tl.math.div_rn(total, k_float)  # k_float = fp32(K), exact below 2^24
-    h = tl.math.div_rn(x, tl.math.sqrt_rn(var + eps)).to(x_raw.dtype)
+    h = tl.math.div_rn(x, rms_divisor(x, k_float, eps, LEVELS)).to(x_raw.dtype)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
     y = (w.to(tl.float32) * h.to(tl.float32)).to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + row * stride_ym + cols, y, mask=mask)

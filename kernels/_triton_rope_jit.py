@@ -5,21 +5,34 @@ the tensor dtype exactly where transformers' eager ``(x * cos) + (rotate_half(x)
 (a product of two BF16 values is exact in FP32, so FP32 math rounded once per op is those ops), so
 the rotated query and key are the same bits as ``apply_rotary_pos_emb``. ``KV_FP8`` stores key and
 value as FP8 with one scale per head vector, quantized from those model-dtype values exactly as
-``quantize_fp8_groups(x, group=D)`` (the ``_triton_quant_jit`` functions).
+``quantize_fp8_groups(x, group=D)`` (the ``_triton_quant_jit`` functions). ``NORM`` first applies
+Qwen3's per-head q/k RMSNorm as ``rmsnorm_reference`` (the ``_triton_fused_jit`` tree).
 """
 
 import triton
 import triton.language as tl
 
+from jetrl_trainer.kernels._triton_fused_jit import rms_divisor
 from jetrl_trainer.kernels._triton_quant_jit import _amax, _fp8_bits, _scale_from_amax
 
 
 @triton.jit
-def _rotate(x_ptr, cos, sin, d, HALF: tl.constexpr):
-    x = tl.load(x_ptr + d).to(tl.float32)
-    partner = tl.load(x_ptr + tl.where(d < HALF, d + HALF, d - HALF)).to(tl.float32)
-    rotated = tl.where(d < HALF, -partner, partner)  # rotate_half: cat(-x2, x1), exact
+def _rotate(x_ptr, cos, sin, d, HALF: tl.constexpr, norm_w_ptr, eps, NORM: tl.constexpr, LEVELS: tl.constexpr):
+    """RoPE of one head vector; with ``NORM``, of its RMSNorm (``rmsnorm_reference`` bits, as
+    ``quant.fused.FusedRMSNorm`` computes the per-head q/k norm) instead."""
     dtype = x_ptr.dtype.element_ty
+    partner_d = tl.where(d < HALF, d + HALF, d - HALF)
+    x_raw = tl.load(x_ptr + d)
+    partner_raw = tl.load(x_ptr + partner_d)
+    if NORM:  # y = w * (x / sqrt(mean(x²) + eps)).to(dtype), rounded to dtype; the partner shares the divisor
+        divisor = rms_divisor(x_raw.to(tl.float32), 2.0 * HALF, eps, LEVELS)
+        w = tl.load(norm_w_ptr + d).to(tl.float32)
+        w_partner = tl.load(norm_w_ptr + partner_d).to(tl.float32)
+        x_raw = (w * tl.math.div_rn(x_raw.to(tl.float32), divisor).to(dtype).to(tl.float32)).to(dtype)
+        partner_raw = (w_partner * tl.math.div_rn(partner_raw.to(tl.float32), divisor).to(dtype).to(tl.float32)).to(dtype)
+    x = x_raw.to(tl.float32)
+    partner = partner_raw.to(tl.float32)
+    rotated = tl.where(d < HALF, -partner, partner)  # rotate_half: cat(-x2, x1), exact
     return ((x * cos).to(dtype).to(tl.float32) + (rotated * sin).to(dtype).to(tl.float32)).to(dtype)
 
 
@@ -37,10 +50,10 @@ def _store_kv(cache_ptr, scale_ptr, x, d, KV_FP8: tl.constexpr):
 @triton.jit
 def rope_append_kernel(
     q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, positions_ptr,
-    k_scale_ptr, v_scale_ptr,
+    k_scale_ptr, v_scale_ptr, q_norm_ptr, k_norm_ptr, q_eps, k_eps,
     stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_cb, stride_sb, stride_ob, stride_oh,
     stride_kcs, stride_kch, stride_kct, stride_vcs, stride_vch, stride_vct, stride_ss, stride_sh,
-    H: tl.constexpr, D: tl.constexpr, KV_FP8: tl.constexpr,
+    H: tl.constexpr, D: tl.constexpr, KV_FP8: tl.constexpr, NORM: tl.constexpr, LEVELS: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -48,13 +61,13 @@ def rope_append_kernel(
     cos = tl.load(cos_ptr + b * stride_cb + d).to(tl.float32)
     sin = tl.load(sin_ptr + b * stride_sb + d).to(tl.float32)
     if h < H:
-        q = _rotate(q_ptr + b * stride_qb + h * stride_qh, cos, sin, d, D // 2)
+        q = _rotate(q_ptr + b * stride_qb + h * stride_qh, cos, sin, d, D // 2, q_norm_ptr, q_eps, NORM, LEVELS)
         tl.store(q_out_ptr + b * stride_ob + h * stride_oh + d, q)
     else:
         kv = h - H
         slot = tl.load(slots_ptr + b).to(tl.int64)
         pos = tl.load(positions_ptr + b).to(tl.int64)
-        k = _rotate(k_ptr + b * stride_kb + kv * stride_kh, cos, sin, d, D // 2)
+        k = _rotate(k_ptr + b * stride_kb + kv * stride_kh, cos, sin, d, D // 2, k_norm_ptr, k_eps, NORM, LEVELS)
         v = tl.load(v_ptr + b * stride_vb + kv * stride_vh + d)
         scale_at = slot * stride_ss + kv * stride_sh + pos  # scales: (S, H_kv, T), unit stride along T
         _store_kv(k_cache_ptr + slot * stride_kcs + kv * stride_kch + pos * stride_kct, k_scale_ptr + scale_at, k, d, KV_FP8)

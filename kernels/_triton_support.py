@@ -81,6 +81,17 @@ def check_group(group: int, what: str = "group") -> None:
         raise ValueError(f"{what} must be a power of two in [16, 1024] for the Triton kernels; got {group}.")
 
 
+@functools.cache
+def _sm_count_of(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (for launch plans that aim to fill the GPU)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _sm_count_of(index)
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 

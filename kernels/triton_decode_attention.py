@@ -27,12 +27,31 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._triton_support import call_op, cdiv, load_jit
+from ._triton_support import call_op, cdiv, load_jit, sm_count
 from .triton_rope_append import check_kv_scales
 
-__all__ = ["decode_attention", "decode_attention_reference"]
+__all__ = ["decode_attention", "decode_attention_reference", "plan_splits"]
 
-BLOCK_N = 32
+# Positions per tile and the order of arithmetic, from benchmarks/probe_engine_mismatch.py on the
+# H200 (8B shape, 36 layers): one split of 64-position tiles in flash attention's order took 33 / 73
+# us per call at batch 64 / 256 against 36 / 115 us for 8 splits of 32 (docs/benchmarks.md §7), with
+# the same unified-flow mismatch.
+BLOCK_N = 64
+FLASH_ORDER = True
+# A split costs a partial write and a reduce; it pays only while rows x KV heads leave SMs idle
+# and each split still gets several tiles.
+MIN_TILES_PER_SPLIT = 4
+# One split writes its output from phase 1 (one launch fewer); False (tests) runs phase 2 anyway.
+DIRECT_SINGLE_SPLIT = True
+
+
+def plan_splits(rows: int, kv_heads: int, max_len: int, block_n: int, sms: int) -> int:
+    """KV splits per (row, KV head): enough programs for two per SM, each with >= MIN_TILES_PER_SPLIT tiles.
+
+    Depends on shapes alone (``max_len`` is the cache's length, not the live one), so a CUDA graph
+    captured for a batch bucket keeps its plan."""
+    fill = cdiv(2 * sms, max(1, rows * kv_heads))
+    return max(1, min(fill, cdiv(max_len, MIN_TILES_PER_SPLIT * block_n)))
 
 
 def decode_attention_reference(
@@ -70,16 +89,19 @@ def _decode_attention_op(
     acc = torch.empty((B, H, splits, D), dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
     fp8 = k_scale is not None
+    direct = splits == 1 and DIRECT_SINGLE_SPLIT
     jit.decode_attention_split_kernel[(B, h_kv, splits)](
-        q, k_cache, v_cache, slots, lengths, m, l, acc, k_scale if fp8 else m, v_scale if fp8 else m, scale,
+        q, k_cache, v_cache, slots, lengths, m, l, acc, k_scale if fp8 else m, v_scale if fp8 else m, out, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), m.stride(0), m.stride(1),
         acc.stride(0), acc.stride(1), acc.stride(2),
-        k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0,
+        k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0, out.stride(0), out.stride(1),
         GROUPS=groups, G_PAD=max(16, 1 << (groups - 1).bit_length()), D=D, BLOCK_N=block_n, TILES=tiles,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # FP32 caches: no silent TF32
-        KV_FP8=fp8, FLASH_ORDER=flash_order, num_warps=4,
+        KV_FP8=fp8, FLASH_ORDER=flash_order, DIRECT=direct, num_warps=4,
     )  # fmt: skip
+    if direct:
+        return out
     jit.decode_attention_reduce_kernel[(B, H)](
         m, l, acc, out, m.stride(0), m.stride(1), acc.stride(0), acc.stride(1), acc.stride(2),
         out.stride(0), out.stride(1), float(scale) * 1.4426950408889634, SPLITS=splits,
@@ -94,15 +116,16 @@ def _(q, k_cache, v_cache, slots, lengths, scale, splits, k_scale, v_scale, bloc
 
 
 def decode_attention(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, lengths: Tensor, scale: float, *, splits: int = 8,
-    k_scale: Optional[Tensor] = None, v_scale: Optional[Tensor] = None, block_n: int = BLOCK_N,
-    flash_order: bool = False,
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, lengths: Tensor, scale: float, *,
+    splits: Optional[int] = None, k_scale: Optional[Tensor] = None, v_scale: Optional[Tensor] = None,
+    block_n: int = BLOCK_N, flash_order: bool = FLASH_ORDER,
 ) -> Tensor:  # fmt: skip
     """Attention of ``q`` ``(B, H, D)`` over each row's live cached positions; see the module table.
 
     FP8 caches (``float8_e4m3fn``) come with ``k_scale`` / ``v_scale`` ``(S, H_kv, T)``, one FP32 scale
     per position and KV head (the engine's ``KVCache(fp8=True)``). ``block_n`` positions per tile
-    (a power of two >= 16); ``flash_order`` uses flash attention's order of arithmetic (see the jit module)."""
+    (a power of two >= 16); ``flash_order`` uses flash attention's order of arithmetic (see the jit module);
+    ``splits`` defaults to :func:`plan_splits` for this GPU."""
     if q.device.type != "cuda":
         raise ValueError("decode_attention is a CUDA kernel; on CPU use decode_attention_reference.")
     B, H, D = q.shape
@@ -118,5 +141,9 @@ def decode_attention(
     fp8 = k_scale is not None
     if (not fp8 and q.dtype != k_cache.dtype) or q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("q and the caches (unless FP8) must share a dtype and have unit stride along head_dim.")
+    if splits is None:
+        splits = plan_splits(B, k_cache.shape[1], k_cache.shape[2], block_n, sm_count(q.device))
+    if splits < 1:
+        raise ValueError(f"splits must be >= 1; got {splits}.")
     return call_op(_decode_attention_op, q, k_cache, v_cache, slots, lengths, float(scale), int(splits), k_scale,
                    v_scale, int(block_n), bool(flash_order))  # fmt: skip

@@ -34,7 +34,6 @@ it would time kernels on the first call and break CUDA-graph capture).
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
@@ -42,7 +41,7 @@ from torch import Tensor
 
 from jetrl_trainer._choices import FLOAT_DTYPES, check_choice
 
-from ._triton_support import call_op, cdiv, check_scale_format, load_jit
+from ._triton_support import call_op, cdiv, check_scale_format, load_jit, sm_count
 
 __all__ = ["DECODE_MAX_M", "PROLOGUE_MAX_M", "fp8_decode_gemm_nt", "fp8_decode_linear"]
 
@@ -54,19 +53,18 @@ DECODE_MAX_M = 64
 
 # Launch parameters, from the sweep in benchmarks/bench_decode_gemm.py on an H200 (prequantized
 # activation, Qwen3-8B shapes): BLOCK_N weight rows per program; WAVES programs per SM that the K split
-# aims for; SWAP (W as the MMA's M operand) wins while the M tile is below 64 rows; warps; stages.
-LAUNCH = dict(BLOCK_N=64, WAVES=2, SWAP_BELOW_M=64, num_warps=4, num_stages=3)
+# aims for, each with at least MIN_GROUPS_PER_SPLIT 128-wide K groups; SWAP (W as the MMA's M
+# operand) wins while the M tile is below 64 rows; warps; stages. MIN_GROUPS_PER_SPLIT = 4 (from 1)
+# took the k/v projections (1024 x 4096) from 16 splits of 2 groups to 8 of 4: 7.2 -> 5.0 us at
+# M = 16 and 8.7 -> 6.1 us at M = 64 on 2026-12-02; fewer, longer programs (one per SM) were
+# slower on the 4096 x 12288 down projection (22.9 -> 31.0 us at M = 64), so WAVES stays 2.
+LAUNCH = dict(BLOCK_N=64, WAVES=2, MIN_GROUPS_PER_SPLIT=4, SWAP_BELOW_M=64, num_warps=4, num_stages=3)
 # Up to this M a QuantLinear quantizes the activation in the GEMM's prologue. 0: never. Every N tile
 # re-quantizes its K slice, so on the H200 the prologue was slower than one act-quant launch plus
 # the prequantized GEMM at every decode M measured (1 to 64, Qwen3-8B shapes); it stays available
 # (``fp8_decode_linear``, bit-identical) for GPUs or shapes where that differs.
 PROLOGUE_MAX_M = 0
 REDUCE_BLOCK = 1024
-
-
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def plan(m: int, n: int, k: int, sms: int, launch: Optional[dict] = None) -> dict:
@@ -76,7 +74,7 @@ def plan(m: int, n: int, k: int, sms: int, launch: Optional[dict] = None) -> dic
     block_n = launch["BLOCK_N"]
     tiles = cdiv(n, block_n) * cdiv(m, block_m)
     groups = cdiv(k, 128)
-    splits = max(1, min(groups, cdiv(launch["WAVES"] * sms, tiles)))
+    splits = max(1, min(cdiv(groups, launch["MIN_GROUPS_PER_SPLIT"]), cdiv(launch["WAVES"] * sms, tiles)))
     per_split = cdiv(groups, splits)
     return dict(
         BLOCK_M=block_m, BLOCK_N=block_n, GROUPS_PER_SPLIT=per_split, SPLITS=cdiv(groups, per_split),
@@ -98,7 +96,7 @@ def _decode_linear_op(
     s = torch.empty((m, cdiv(k, 128)) if write_q else (0,), dtype=torch.float32, device=x.device)
     if m == 0 or n == 0:
         return out, q, s
-    cfg = plan(m, n, k, _sm_count(x.device.index if x.device.index is not None else torch.cuda.current_device()))
+    cfg = plan(m, n, k, sm_count(x.device))
     splits = cfg["SPLITS"]
     grid = (cdiv(n, cfg["BLOCK_N"]), splits, cdiv(m, cfg["BLOCK_M"]))
     part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else out

@@ -41,6 +41,7 @@ _FP8 = torch.float8_e4m3fn
 def _rope_append_op(
     q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
     slots: Tensor, positions: Tensor, k_scale: Optional[Tensor], v_scale: Optional[Tensor],
+    q_norm: Optional[Tensor], k_norm: Optional[Tensor], q_eps: float, k_eps: float,
 ) -> Tensor:  # fmt: skip
     jit = load_jit("_triton_rope_jit")
     B, H, D = q.shape
@@ -50,28 +51,35 @@ def _rope_append_op(
     fp8 = k_scale is not None
     caches = (k_cache.view(torch.uint8), v_cache.view(torch.uint8)) if fp8 else (k_cache, v_cache)
     scales = (k_scale, v_scale) if fp8 else (out, out)  # unused pointers when not FP8
+    norm = q_norm is not None
     jit.rope_append_kernel[(B, H + k.shape[1])](
         q, k, v, cos, sin, out, *caches, slots, positions, *scales,
+        q_norm if norm else out, k_norm if norm else out, q_eps, k_eps,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0),
         out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0,
-        H=H, D=D, KV_FP8=fp8, num_warps=1, enable_fp_fusion=False,
+        H=H, D=D, KV_FP8=fp8, NORM=norm, LEVELS=D.bit_length() - 2, num_warps=1, enable_fp_fusion=False,
     )  # fmt: skip
     return out
 
 
 @_rope_append_op.register_fake
-def _(q, k, v, cos, sin, k_cache, v_cache, slots, positions, k_scale, v_scale):
+def _(q, k, v, cos, sin, k_cache, v_cache, slots, positions, k_scale, v_scale, q_norm, k_norm, q_eps, k_eps):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
 def rope_append(
     q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
     slots: Tensor, positions: Tensor, *, k_scale: Optional[Tensor] = None, v_scale: Optional[Tensor] = None,
+    qk_norms: Optional[tuple[Tensor, Tensor, float, float]] = None,
 ) -> Tensor:  # fmt: skip
     """Rotated ``q``; writes rotated ``k`` and ``v`` at ``[slots[b], :, positions[b]]`` of the caches
-    (quantized, with their scales, when the caches are FP8)."""
+    (quantized, with their scales, when the caches are FP8).
+
+    ``qk_norms = (q_weight, k_weight, q_eps, k_eps)`` first applies Qwen3's per-head RMSNorms to
+    ``q`` and ``k``, as ``rmsnorm_reference`` (what ``quant.fused.FusedRMSNorm`` runs in both phases),
+    bit for bit; weights ``[D]`` in the dtype of ``q``."""
     B, H, D = q.shape
     if q.device.type != "cuda":
         raise ValueError("rope_append is a CUDA kernel; on CPU the engine runs the model's own apply_rotary_pos_emb.")
@@ -87,7 +95,12 @@ def rope_append(
     if len({t.dtype for t in tensors}) != 1 or any(t.stride(-1) != 1 for t in (q, k, v, cos, sin, k_cache, v_cache)):
         raise ValueError("q, k, v, cos, sin (and caches not in FP8) must share a dtype; all need unit stride along "
                          "head_dim.")  # fmt: skip
-    return call_op(_rope_append_op, q, k, v, cos, sin, k_cache, v_cache, slots, positions, k_scale, v_scale)
+    q_norm, k_norm, q_eps, k_eps = qk_norms if qk_norms is not None else (None, None, 0.0, 0.0)
+    if qk_norms is not None and any(w.shape != (D,) or w.dtype != q.dtype or not w.is_contiguous() for w in (q_norm, k_norm)):
+        raise ValueError(f"qk_norms weights must be contiguous ({D},) in {q.dtype}; got "
+                         f"{tuple(q_norm.shape)} {q_norm.dtype}, {tuple(k_norm.shape)} {k_norm.dtype}.")  # fmt: skip
+    return call_op(_rope_append_op, q, k, v, cos, sin, k_cache, v_cache, slots, positions, k_scale, v_scale,
+                   q_norm, k_norm, float(q_eps), float(k_eps))  # fmt: skip
 
 
 def check_kv_scales(k_cache: Tensor, v_cache: Tensor, k_scale: Optional[Tensor], v_scale: Optional[Tensor]) -> None:

@@ -4,7 +4,8 @@
 
 * each decoder RMSNorm whose outputs feed ``QuantLinear``s (Qwen3/Llama ``input_layernorm`` →
   q/k/v, ``post_attention_layernorm`` → gate/up; LLaDA ``attn_norm``, ``ff_norm``) for a
-  :class:`FusedRMSNorm` sharing its weight Parameter;
+  :class:`FusedRMSNorm` sharing its weight Parameter, and Qwen3's per-head ``q_norm`` / ``k_norm``
+  too (no hand-over; the decode engine fuses them into its RoPE launch with the same bits);
 * each Qwen3/Llama-style MLP (``gate_proj``/``up_proj``/``down_proj`` with a SiLU ``act_fn``) for a
   :class:`FusedSwiGLUMLP` holding the same three sub-modules (``state_dict`` keys unchanged).
 
@@ -181,6 +182,11 @@ _NORMS = (
     ("attn_norm", "q_proj"),  # LLaDA
     ("ff_norm", "ff_proj"),
 )
+# Qwen3's per-head q/k norms feed RoPE, not a GEMM: nothing to hand over, but the decode engine
+# computes them inside its RoPE + KV-append launch (kernels/triton_rope_append.py), which can
+# reproduce rmsnorm_reference and not transformers' CUDA reduction order. So both phases run them
+# as FusedRMSNorm, and the engine's fused launch gives the training forward's bits.
+_HEAD_NORMS = ("q_norm", "k_norm")
 
 
 def _get(module: nn.Module, path: str) -> Optional[nn.Module]:
@@ -215,11 +221,12 @@ def fuse_norm_and_swiglu(model: nn.Module) -> nn.Module:
     ``QuantLinear``'s recipe in the active phase to decide whether to quantize and in which format).
     """
     for parent in list(model.modules()):
-        for norm_name, consumer_path in _NORMS:
+        head_norms = tuple((name, None) for name in _HEAD_NORMS) if hasattr(parent, "q_proj") else ()
+        for norm_name, consumer_path in _NORMS + head_norms:
             norm = getattr(parent, norm_name, None)
             eps = _is_plain_rmsnorm(norm) if norm is not None and not isinstance(norm, FusedRMSNorm) else None
             if eps is not None:
-                fused = FusedRMSNorm(norm.weight, eps, _get(parent, consumer_path))
+                fused = FusedRMSNorm(norm.weight, eps, _get(parent, consumer_path) if consumer_path else None)
                 object.__setattr__(fused, "_unfused", norm)
                 setattr(parent, norm_name, fused)
         mlp = getattr(parent, "mlp", None)

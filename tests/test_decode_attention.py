@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from jetrl_trainer.kernels.triton_decode_attention import decode_attention, decode_attention_reference
+from jetrl_trainer.kernels.triton_decode_attention import decode_attention, decode_attention_reference, plan_splits
 from jetrl_trainer.rollout.engine.attention import decode_attention as engine_sdpa_attention
 
 SHAPES = [  # B, H, H_kv, T, D, slots
@@ -76,6 +76,41 @@ def test_kernel_matches_the_reference(shape, dtype, splits, block_n, flash_order
     ref = decode_attention_reference(q, k, v, slots, lengths, scale)
     tol = {torch.float32: 2e-3, torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype]  # P rounded to the cache dtype
     assert out.dtype == dtype and torch.allclose(out.float(), ref.float(), atol=tol, rtol=0)
+
+
+def test_split_plan_fills_the_gpu_only_while_rows_leave_sms_idle():
+    # 8B layout (8 KV heads), 132 SMs, 64-position tiles.
+    assert plan_splits(64, 8, 384, 64, 132) == 1  # 512 programs already
+    assert plan_splits(256, 8, 4096, 64, 132) == 1
+    assert plan_splits(1, 8, 4096, 64, 132) == 16  # 33 programs wanted per (row, head); 16 splits of 4 tiles
+    assert plan_splits(8, 8, 4096, 64, 132) == 5
+    assert plan_splits(8, 8, 384, 64, 132) == 2  # short cache: each split keeps >= 4 tiles
+    assert plan_splits(8, 8, 100, 64, 132) == 1
+
+
+@pytest.mark.gpu
+@CUDA
+@pytest.mark.parametrize("rows", [1, 8, 64])
+def test_default_launch_matches_the_reference(rows):
+    _need_triton()
+    q, k, v, slots, lengths = _inputs(rows, 32, 8, 1000, 128, max(rows, 2), torch.bfloat16, device="cuda")
+    out = decode_attention(q, k, v, slots, lengths, 0.088)  # planned splits, 64-position tiles, flash order
+    ref = decode_attention_reference(q, k, v, slots, lengths, 0.088)
+    assert torch.allclose(out.float(), ref.float(), atol=3e-2, rtol=0)
+
+
+@pytest.mark.gpu
+@CUDA
+@pytest.mark.parametrize("flash_order", [False, True])
+def test_one_split_written_by_phase_one_has_the_bits_of_phase_two(monkeypatch, flash_order):
+    from jetrl_trainer.kernels import triton_decode_attention as kernel
+
+    _need_triton()
+    q, k, v, slots, lengths = _inputs(6, 32, 8, 300, 128, 6, torch.bfloat16, device="cuda")
+    direct = decode_attention(q, k, v, slots, lengths, 0.088, splits=1, flash_order=flash_order)
+    monkeypatch.setattr(kernel, "DIRECT_SINGLE_SPLIT", False)
+    two_phase = decode_attention(q, k, v, slots, lengths, 0.088, splits=1, flash_order=flash_order)
+    assert torch.equal(direct, two_phase)
 
 
 @pytest.mark.gpu

@@ -18,18 +18,29 @@ from jetrl_trainer.quant.fp8 import dequantize_fp8_blocks, dequantize_fp8_groups
 from jetrl_trainer.quant.testing import relative_error
 
 
+@pytest.mark.parametrize("min_groups", [1, 4])
 @pytest.mark.parametrize("m", [1, 7, 16, 33, 64, 100])
 @pytest.mark.parametrize("n, k", [(4096, 4096), (1024, 4096), (12288, 4096), (4096, 12288), (200, 300)])
-def test_plan_covers_every_k_group_exactly_once(m, n, k):
-    cfg = dg.plan(m, n, k, sms=132)
+def test_plan_covers_every_k_group_exactly_once(m, n, k, min_groups):
+    cfg = dg.plan(m, n, k, sms=132, launch=dict(MIN_GROUPS_PER_SPLIT=min_groups))
     groups = math.ceil(k / 128)
     per, splits = cfg["GROUPS_PER_SPLIT"], cfg["SPLITS"]
     assert per * splits >= groups > per * (splits - 1)  # no split is empty, none is missing
     assert 16 <= cfg["BLOCK_M"] <= 64 and cfg["BLOCK_M"] & (cfg["BLOCK_M"] - 1) == 0
     assert cfg["BLOCK_M"] >= min(m, 64)
     tiles = math.ceil(n / cfg["BLOCK_N"]) * math.ceil(m / cfg["BLOCK_M"])
-    if splits > 1:  # split only as far as the GPU needs programs
+    if splits > 1:  # split only as far as the GPU needs programs, and never below the minimum length
         assert tiles * (splits - 1) < dg.LAUNCH["WAVES"] * 132
+        assert per >= min(min_groups, groups) or per * splits == groups
+
+
+def test_plan_keeps_splits_long_enough_to_stream():
+    # k/v of Qwen3-8B on 132 SMs: 16 N tiles; 2 waves would want 17 splits of 2 groups, the minimum gives 8 of 4.
+    cfg = dg.plan(64, 1024, 4096, sms=132)
+    assert (cfg["SPLITS"], cfg["GROUPS_PER_SPLIT"]) == (8, 4)
+    cfg = dg.plan(64, 1024, 4096, sms=132, launch=dict(MIN_GROUPS_PER_SPLIT=1))
+    assert (cfg["SPLITS"], cfg["GROUPS_PER_SPLIT"]) == (16, 2)
+    assert dg.plan(16, 4096, 12288, sms=132)["SPLITS"] == 5  # down: long K, the waves decide
 
 
 def test_dispatch_steps_aside_off_cuda_and_when_a_backend_is_forced(monkeypatch):
@@ -76,7 +87,7 @@ def _reference(x, w_q, w_s, bias=None, scale_format="fp32"):
     return y + bias.double() if bias is not None else y
 
 
-LAUNCHES = [dict(), dict(SWAP_BELOW_M=0, BLOCK_N=128), dict(SWAP_BELOW_M=128, WAVES=4)]  # shipped, never / always swapped
+LAUNCHES = [dict(), dict(SWAP_BELOW_M=0, BLOCK_N=128), dict(SWAP_BELOW_M=128, WAVES=4), dict(MIN_GROUPS_PER_SPLIT=1)]  # shipped, never / always swapped, short splits
 
 
 @pytest.fixture(params=LAUNCHES, ids=lambda p: "-".join(f"{k}{v}" for k, v in p.items()))

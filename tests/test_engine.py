@@ -99,6 +99,41 @@ def _teacher_forced(model, prompts, completions, **warp):
     return processed_logprobs(logits.float(), comp, **warp)
 
 
+def test_fused_qk_norms_are_handed_to_the_rope_launch_and_the_layers_compute_the_same():
+    """With the FP8 recipe's fused Qwen3 q/k norms, the kernel path (rope_in_attend) gets q / k before
+    the norms and the weights to apply; doing what the launch does gives the modules' hidden states."""
+    from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
+
+    from jetrl_trainer.quant.fused import fuse_norm_and_swiglu
+    from jetrl_trainer.quant.reference import rmsnorm_reference
+    from jetrl_trainer.rollout.engine.architecture import DecoderView
+
+    model = fuse_norm_and_swiglu(quantize_model(build_tiny_qwen3(tokenizer()), train="fp8", rollout="fp8")).eval()
+    g = torch.Generator().manual_seed(0)
+    for layer in model.model.layers:  # not ones: applying a norm twice must show
+        for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+            norm.weight.data = torch.rand(norm.weight.shape, generator=g) + 0.5
+    view = DecoderView.from_model(model)
+    assert all(n is not None and n[0] is layer.self_attn.q_norm.weight for n, layer in zip(view.qk_norms, view.layers))
+    assert not any(DecoderView.from_model(build_tiny_qwen3(tokenizer())).qk_norms)  # HF's own norms: not fused
+    ids = torch.tensor([[5, 6, 7, 8]])
+    positions = torch.arange(4)[None]
+
+    def attend(i, q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    def attend_with_norms(i, q, k, v, cos, sin):
+        q_w, k_w, q_eps, k_eps = view.qk_norms[i]
+        q, k = rmsnorm_reference(q, q_w, q_eps), rmsnorm_reference(k, k_w, k_eps)  # what the launch computes
+        q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        return attend(i, q, k, v.transpose(1, 2))
+
+    with torch.no_grad(), precision_phase("rollout"):
+        expected = view.hidden_states(ids, positions, attend)
+        fused = view.hidden_states(ids, positions, attend_with_norms, rope_in_attend=True)
+    assert torch.equal(fused, expected)
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_sampled_logprobs_are_those_of_the_warped_distribution(precision):
     model = build_tiny_qwen3(tokenizer()).eval()
@@ -127,6 +162,29 @@ def test_a_seed_reproduces_each_row_whatever_the_slots():
         for got, want in zip(logprobs, full[1]):  # FP32 GEMMs sum in an order BLAS picks by batch shape
             assert torch.allclose(torch.tensor(got), torch.tensor(want), atol=1e-5, rtol=0)
     assert _engine(model, PROMPTS, config, eos, seed=12)[0] != full[0]
+
+
+@pytest.mark.parametrize("slots", [None, 2])
+def test_look_ahead_step_changes_no_token_or_logprob(slots):
+    """Step t + 1 is queued before step t is read: rows that finish at t (EOS, budgets) drop its
+    token, the others keep it, and refilled slots start clean, so the rollout is the one of an
+    engine that waits after every step."""
+    model = build_tiny_qwen3(tokenizer()).eval()
+    config = _config(max_new_tokens=9, do_sample=True, temperature=1.0)
+    eos = [_eos_inside_the_batch(model, _config())]
+    prompts, budgets = PROMPTS * 2, [9, 3, 1, 7, 2, 9, 5, 4, 6, 8]
+    runs = []
+    for look_ahead in (True, False):
+        engine = DecodeEngine(model, max_batch_size=slots)
+        engine.look_ahead = look_ahead
+        runs.append(engine.generate(prompts, config, eos_token_ids=eos, seed=3, pad_token_id=tokenizer().pad_token_id,
+                                    row_budgets=budgets))  # fmt: skip
+    (tokens, logprobs), (want_tokens, want_logprobs) = runs
+    assert tokens == want_tokens
+    for got, want in zip(logprobs, want_logprobs):  # a step's batch may hold a finished row: BLAS order by shape
+        assert torch.allclose(torch.tensor(got), torch.tensor(want), atol=1e-5, rtol=0)
+    assert any(len(t) < b for t, b in zip(tokens, budgets))  # an EOS stopped a row before its budget
+    assert all(len(t) <= b for t, b in zip(tokens, budgets))
 
 
 def test_each_distinct_prompt_is_prefilled_once(monkeypatch):

@@ -85,6 +85,24 @@ def test_graphed_decode_matches_generate_and_the_eager_engine(precision):
         assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-3, rtol=0)
 
 
+def test_graphed_look_ahead_changes_no_token():
+    """On CUDA step t + 1 really runs while the host reads step t (pinned copies, events)."""
+    _graphs_or_skip()
+    model, tok = _model("fp8"), tokenizer()
+    config = GenerationConfig(max_new_tokens=12, do_sample=True, temperature=1.0, pad_token_id=tok.pad_token_id)
+    budgets = [12, 3, 7, 1, 12, 5, 2, 9]
+    runs = []
+    with precision_phase("rollout"):
+        for look_ahead in (True, False):
+            engine = DecodeEngine(model, cuda_graphs=True, max_batch_size=3)
+            engine.look_ahead = look_ahead
+            runs.append(engine.generate(PROMPTS * 2, config, eos_token_ids=[tok.eos_token_id], seed=4, pad_token_id=0,
+                                        row_budgets=budgets))  # fmt: skip
+    assert runs[0][0] == runs[1][0]
+    for a, b in zip(runs[0][1], runs[1][1]):
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-3, rtol=0)
+
+
 def test_graphed_sampling_records_the_warped_logprobs():
     _graphs_or_skip()
     model, tok = _model("fp8"), tokenizer()

@@ -38,7 +38,9 @@ def test_swap_on_qwen3_keeps_parameters_and_state_dict():
     assert isinstance(layer.input_layernorm, FusedRMSNorm)
     assert isinstance(layer.post_attention_layernorm, FusedRMSNorm)
     assert isinstance(layer.mlp, FusedSwiGLUMLP)
-    assert not isinstance(layer.self_attn.q_norm, FusedRMSNorm)  # feeds attention, not a GEMM
+    # Per-head q/k norms: no consumer to hand a quantization to, but the engine fuses them into RoPE.
+    assert isinstance(layer.self_attn.q_norm, FusedRMSNorm) and layer.self_attn.q_norm._consumer() is None
+    assert isinstance(layer.self_attn.k_norm, FusedRMSNorm)
     assert not isinstance(model.model.norm, FusedRMSNorm)
     assert list(model.state_dict()) == keys
     assert {k: v.data_ptr() for k, v in model.state_dict().items()} == weights

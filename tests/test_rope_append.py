@@ -62,3 +62,62 @@ def test_same_bits_as_the_eager_rope_and_append(family, dtype):
     out = rope_append(q[:, 0], k[:, 0], v[:, 0], cos[:, 0], sin[:, 0], k_cache, v_cache, slots, positions)
     assert torch.equal(out, q_eager[:, :, 0])
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)  # nothing else written
+
+
+@pytest.mark.gpu
+@CUDA
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kv_fp8", [False, True])
+def test_fused_qk_norm_gives_the_bits_of_fused_rmsnorm_then_rope(dtype, kv_fp8):
+    """Qwen3's per-head q/k RMSNorms inside the launch: the bits of ``FusedRMSNorm`` (what both
+    phases run) followed by the eager RoPE and the append."""
+    from jetrl_trainer import kernels
+    from jetrl_trainer.quant.fp8 import quantize_fp8_groups
+    from jetrl_trainer.quant.fused import FusedRMSNorm
+
+    if not kernels.triton_available():
+        pytest.skip("needs Triton")
+    module, config = FAMILIES["qwen3"]
+    B, H, H_kv, D, S, T = 9, config.num_attention_heads, config.num_key_value_heads, config.head_dim, 11, 64
+    g = torch.Generator().manual_seed(1)
+    rotary = module.Qwen3RotaryEmbedding(config, device="cuda")
+    positions = torch.randint(0, T - 1, (B,), generator=g).cuda()
+    cos, sin = rotary(torch.zeros(B, 1, 8, device="cuda", dtype=dtype), positions[:, None])
+    q = (torch.randn(B, 1, H, D, generator=g) * 3).to("cuda", dtype)
+    k = (torch.randn(B, 1, H_kv, D, generator=g) * 3).to("cuda", dtype)
+    q[0, 0, 0] = 0.0  # an all-zero head: 0 / sqrt(eps)
+    v = torch.randn(B, 1, H_kv, D, generator=g).to("cuda", dtype)
+    q_norm = FusedRMSNorm(torch.nn.Parameter((torch.randn(D, generator=g) * 0.2 + 1).to("cuda", dtype)), 1e-6)
+    k_norm = FusedRMSNorm(torch.nn.Parameter((torch.randn(D, generator=g) * 0.2 + 1).to("cuda", dtype)), 1e-5)
+    slots = torch.randperm(S, generator=g)[:B].cuda()
+    cache_dtype = torch.float8_e4m3fn if kv_fp8 else dtype
+    k_cache = torch.zeros(S, H_kv, T, D, device="cuda").to(cache_dtype)
+    v_cache = torch.zeros_like(k_cache)
+    scales = dict(k_scale=torch.zeros(S, H_kv, T, device="cuda"), v_scale=torch.zeros(S, H_kv, T, device="cuda")) if kv_fp8 else {}
+
+    with torch.no_grad():
+        q_eager, k_eager = module.apply_rotary_pos_emb(q_norm(q).transpose(1, 2), k_norm(k).transpose(1, 2), cos, sin)
+        norms = (q_norm.weight, k_norm.weight, q_norm.variance_epsilon, k_norm.variance_epsilon)
+        out = rope_append(q[:, 0], k[:, 0], v[:, 0], cos[:, 0], sin[:, 0], k_cache, v_cache, slots, positions,
+                          qk_norms=norms, **scales)  # fmt: skip
+    assert torch.equal(out, q_eager[:, :, 0])
+    written = k_cache[slots, :, positions]  # (B, H_kv, D)
+    if kv_fp8:
+        k_q, k_s = quantize_fp8_groups(k_eager[:, :, 0].reshape(-1, D), group=D)
+        assert torch.equal(written.view(torch.uint8).reshape(-1, D), k_q.view(torch.uint8))
+        assert torch.equal(scales["k_scale"][slots, :, positions].reshape(-1), k_s.reshape(-1))
+    else:
+        assert torch.equal(written, k_eager[:, :, 0])
+        assert torch.equal(v_cache[slots, :, positions], v[:, 0])
+
+
+@pytest.mark.gpu
+@CUDA
+def test_refuses_norm_weights_of_another_shape_or_dtype():
+    q, k = torch.randn(2, 4, 32, device="cuda"), torch.randn(2, 2, 32, device="cuda")
+    cache = torch.zeros(3, 2, 8, 32, device="cuda")
+    args = (q, k, k, torch.ones(2, 32, device="cuda"), torch.zeros(2, 32, device="cuda"), cache, cache,
+            torch.arange(2, device="cuda"), torch.zeros(2, dtype=torch.long, device="cuda"))  # fmt: skip
+    for bad in (torch.ones(16, device="cuda"), torch.ones(32, device="cuda", dtype=torch.bfloat16)):
+        with pytest.raises(ValueError, match="qk_norms weights"):
+            rope_append(*args, qk_norms=(bad, bad, 1e-6, 1e-6))

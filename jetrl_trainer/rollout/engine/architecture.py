@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
@@ -27,7 +27,8 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
 # attend(layer_index, q, k, v) -> attention output (B, H, T, D); q (B, H, T, D), k / v (B, H_kv, T, D)
 # after RoPE. With rope_in_attend, attend(layer_index, q, k, v, cos, sin) gets q (B, T, H, D) and
-# k / v (B, T, H_kv, D) before RoPE, with HF's cos / sin (B, T, D), and applies RoPE itself.
+# k / v (B, T, H_kv, D) before RoPE, with HF's cos / sin (B, T, D), and applies RoPE itself; where
+# DecoderView.qk_norms[layer_index] is set, it gets q / k before the q/k norms too and applies them.
 Attend = Callable[..., Tensor]
 
 
@@ -60,6 +61,18 @@ def unsupported_model_reason(model: nn.Module) -> str | None:
     return None
 
 
+def _fusable_qk_norms(attn: nn.Module, dtype: torch.dtype, head_dim: int) -> tuple | None:
+    """The q/k norms' weights and eps when a fused kernel may apply them with the same bits."""
+    from jetrl_trainer.quant.fused import FusedRMSNorm
+
+    norms = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+    if not all(isinstance(n, FusedRMSNorm) for n in norms):
+        return None
+    if any(n.weight.dtype != dtype or tuple(n.weight.shape) != (head_dim,) for n in norms):
+        return None
+    return norms[0].weight, norms[1].weight, norms[0].variance_epsilon, norms[1].variance_epsilon
+
+
 @dataclass
 class DecoderView:
     """The pieces of one model the engine calls, and the shapes it needs to size its cache."""
@@ -77,6 +90,9 @@ class DecoderView:
     scaling: float
     dtype: torch.dtype
     device: torch.device
+    # Per layer: (q weight, k weight, q eps, k eps) when the decode kernels may apply the q/k norms
+    # inside RoPE (both are FusedRMSNorm, whose bits that launch reproduces), else None.
+    qk_norms: list = field(default_factory=list)
 
     @classmethod
     def from_model(cls, model: nn.Module) -> DecoderView:
@@ -93,6 +109,7 @@ class DecoderView:
             apply_rope=sys.modules[type(attn).__module__].apply_rotary_pos_emb,
             num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads, head_dim=attn.head_dim,
             scaling=attn.scaling, dtype=embed.weight.dtype, device=embed.weight.device,
+            qk_norms=[_fusable_qk_norms(layer.self_attn, embed.weight.dtype, attn.head_dim) for layer in inner.layers],
         )  # fmt: skip
 
     def hidden_states(
@@ -104,12 +121,13 @@ class DecoderView:
         B, T = input_ids.shape
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
+            norms_in_attend = rope_in_attend and self.qk_norms and self.qk_norms[i] is not None
             x = layer.input_layernorm(h)
             q = attn.q_proj(x).view(B, T, -1, self.head_dim)
-            if hasattr(attn, "q_norm"):  # Qwen3
+            if hasattr(attn, "q_norm") and not norms_in_attend:  # Qwen3
                 q = attn.q_norm(q)
             k = attn.k_proj(x).view(B, T, -1, self.head_dim)
-            if hasattr(attn, "k_norm"):
+            if hasattr(attn, "k_norm") and not norms_in_attend:
                 k = attn.k_norm(k)
             v = attn.v_proj(x).view(B, T, -1, self.head_dim)
             if rope_in_attend:

@@ -50,6 +50,35 @@ class _Sequence:
     logprobs: list[float] = field(default_factory=list)
 
 
+class _HostCopies:
+    """Tokens and log-probs of a step copied to the host without waiting for later queued steps:
+    a non-blocking copy into one of two pinned buffers, and an event to wait on (CPU: a copy)."""
+
+    def __init__(self, rows: int, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        pin = self.cuda and torch.cuda.is_available()
+        self.buffers = [torch.empty(2, rows, dtype=torch.float64, pin_memory=pin) for _ in range(2)]
+        self.turn = 0
+
+    def start(self, tokens: Tensor, logps: Tensor) -> tuple[Tensor, torch.cuda.Event | None]:
+        both = torch.stack([tokens.to(torch.float64), logps.to(torch.float64)])
+        if not self.cuda:
+            return both, None
+        host = self.buffers[self.turn][:, : both.shape[1]]
+        self.turn ^= 1
+        host.copy_(both, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return host, event
+
+    @staticmethod
+    def wait(ticket: tuple[Tensor, torch.cuda.Event | None]) -> Tensor:
+        host, event = ticket
+        if event is not None:
+            event.synchronize()
+        return host
+
+
 class DecodeEngine:
     """Generates completions and their sampling log-probs with a model's own modules."""
 
@@ -63,6 +92,8 @@ class DecodeEngine:
         self.cuda_graphs = cuda_graphs_available(self.view.device) if cuda_graphs is None else cuda_graphs
         # Keyword arguments of the Triton decode attention (splits, block_n, flash_order): a benchmark knob.
         self.attention_options: dict = {}
+        # Queue step t + 1 before waiting for step t (see generate); False waits after every step (benchmarks).
+        self.look_ahead = True
 
     @torch.no_grad()
     def generate(
@@ -99,19 +130,32 @@ class DecodeEngine:
         budget = [min(config.max_new_tokens, b) for b in row_budgets] if row_budgets else [config.max_new_tokens] * len(seqs)
 
         def step_inputs(batch: list[tuple[int, _Sequence]]) -> Tensor:
-            """(4, B) slots, last tokens, row seeds, steps: one host-to-device copy per step."""
+            """(4, B) slots, last tokens, row seeds, steps: one host-to-device copy per batch."""
             rows = [(slot, s.tokens[-1] if s.tokens else 0, row_seed[s.index], len(s.tokens)) for slot, s in batch]
             return torch.tensor(rows, dtype=torch.long).t().to(v.device, non_blocking=True)
 
-        def record(batch: list[tuple[int, _Sequence]], tokens: Tensor, logps: Tensor) -> None:
-            both = torch.stack([tokens.to(torch.float64), logps.to(torch.float64)]).cpu()  # one sync
+        def launch(slots_t: Tensor, last: Tensor, seeds: Tensor, steps: Tensor) -> tuple[Tensor, Tensor]:
+            """One decode step, queued on the device (the host does not wait for it)."""
+            if graphs is not None:
+                return graphs.step(slots_t, last, seeds, steps)
+            return sampler.sample(self.decode_step(cache, slots_t, last), seeds, steps)
+
+        def record(batch: list[tuple[int, _Sequence]], both: Tensor) -> bool:
+            """Append each row's token and log-prob (rows no longer running are skipped: a
+            look-ahead step computed them after they finished); True if a row finished."""
+            finished = False
             for (slot, s), t, lp in zip(batch, both[0].long().tolist(), both[1].tolist()):
+                if running.get(slot) is not s:
+                    continue
                 s.tokens.append(t)
                 s.logprobs.append(lp)
                 if t in eos or len(s.tokens) == budget[s.index]:
-                    running.pop(slot, None)
+                    running.pop(slot)
                     free.append(slot)
+                    finished = True
+            return finished
 
+        to_host = _HostCopies(slots, v.device)
         while pending or running:
             started = []
             while free and pending:
@@ -124,14 +168,27 @@ class DecodeEngine:
                 started.append((slot, s))
             if started:  # first token from the prefill logits of each one's prompt
                 logits = first_logits[torch.tensor([s.prompt for _, s in started], device=v.device)]
-                record(started, *sampler.sample(logits, *step_inputs(started)[2:]))
-            if running:
-                batch = sorted(running.items())
-                slots_t, last, seeds, steps = step_inputs(batch)
-                if graphs is not None:
-                    record(batch, *graphs.step(slots_t, last, seeds, steps))
-                else:
-                    record(batch, *sampler.sample(self.decode_step(cache, slots_t, last), seeds, steps))
+                record(started, to_host.wait(to_host.start(*sampler.sample(logits, *step_inputs(started)[2:]))))
+            if not running:
+                continue
+            # While the batch stays the same, step t + 1 is queued from step t's tokens on the device
+            # before the host waits for step t, so the host's bookkeeping hides behind GPU work. When
+            # a row finishes, the step already queued is drained (its other rows' tokens count) and
+            # the batch is rebuilt with the freed slots refilled.
+            batch = sorted(running.items())
+            slots_t, last, seeds, steps = step_inputs(batch)
+            out = launch(slots_t, last, seeds, steps)
+            while True:
+                ticket = to_host.start(*out)
+                if not self.look_ahead:
+                    record(batch, to_host.wait(ticket))
+                    break
+                steps = steps + 1
+                ahead = launch(slots_t, out[0], seeds, steps)
+                if record(batch, to_host.wait(ticket)) or not running:
+                    record(batch, to_host.wait(to_host.start(*ahead)))
+                    break
+                out = ahead
         return [s.tokens for s in seqs], [s.logprobs for s in seqs]
 
     def prefill(self, prompts: list[tuple[int, ...]], pad_token_id: int) -> tuple[list[Tensor], list[Tensor], Tensor]:
@@ -157,8 +214,8 @@ class DecodeEngine:
         """Feed each row ``tokens[b]`` at the end of slot ``slots[b]``; FP32 logits ``(B, V)`` for the next one.
 
         ``kernel=True`` (CUDA graphs) runs the Triton kernels, which read ``lengths`` on the device:
-        RoPE with the KV append in one launch (the same bits as the model's eager RoPE), then the
-        split-KV attention. Otherwise the model's RoPE, an indexed append and SDPA over the live prefix.
+        RoPE with the KV append in one launch (the same bits as the model's eager RoPE; with the
+        FP8 recipe's fused Qwen3 q/k norms, those norms too), then the split-KV attention. Otherwise the model's RoPE, an indexed append and SDPA over the live prefix.
         """
         v = self.view
         positions = cache.lengths[slots][:, None]
@@ -176,7 +233,7 @@ class DecodeEngine:
             k_cache, v_cache = cache.k[layer], cache.v[layer]
             scales = dict(k_scale=cache.k_scale[layer], v_scale=cache.v_scale[layer]) if cache.fp8 else {}
             q = rope_append(q[:, 0], k[:, 0], val[:, 0], cos[:, 0], sin[:, 0], k_cache, v_cache, slots, positions[:, 0],
-                            **scales)  # fmt: skip
+                            qk_norms=v.qk_norms[layer] if v.qk_norms else None, **scales)  # fmt: skip
             out = attention_kernel(q, k_cache, v_cache, slots, lengths, v.scaling, **scales, **self.attention_options)
             return out[:, :, None]
 
