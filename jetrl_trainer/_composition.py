@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from jetrl_trainer.compiled_forward import CompiledBackbone, compile_unavailable_reason
 from jetrl_trainer.rollout import ContinuousBatchingBackend, HFGenerateBackend, RolloutBackend
 from jetrl_trainer.scoring import AutoregressiveScorer, PolicyScorer
 
@@ -95,7 +96,10 @@ def build_policy_scorer(trainer: Any, *, diffusion: bool, trl_token_logps: Any) 
     """K = 1 TRL log-probs for autoregressive models; per-iteration mask-seed slices for diffusion."""
     args = trainer.args
     if not diffusion:
-        return AutoregressiveScorer(trl_token_logps, _sampling_config(trainer), trainer.accelerator.autocast)
+        return AutoregressiveScorer(trl_token_logps, _sampling_config(trainer), trainer.accelerator.autocast,
+                                    compiled=_compiled_backbone(trainer))  # fmt: skip
+    if args.compile_policy_forward:
+        logger.warning("compile_policy_forward: not implemented for diffusion LMs; the policy's forward runs eagerly.")
     from jetrl_trainer.diffusion.scoring import DiffusionScorer
 
     return DiffusionScorer(
@@ -105,6 +109,18 @@ def build_policy_scorer(trainer: Any, *, diffusion: bool, trl_token_logps: Any) 
         num_iterations=trainer.num_iterations, entropy_grad=trainer._entropy_bonus_enabled,
         autocast=trainer.accelerator.autocast,
     )  # fmt: skip
+
+
+def _compiled_backbone(trainer: Any) -> CompiledBackbone | None:
+    """``compile_policy_forward``: the policy's decoder stack compiled, or None (reason logged once)."""
+    args = trainer.args
+    if not args.compile_policy_forward:
+        return None
+    reason = compile_unavailable_reason(trainer.model, bool(args.gradient_checkpointing))
+    if reason is not None:
+        logger.warning("compile_policy_forward: %s; the policy's forward runs eagerly.", reason)
+        return None
+    return CompiledBackbone(trainer.model, length_multiple=args.compile_length_multiple, backend=args.compile_backend)
 
 
 def _sampling_config(trainer: Any) -> Any:

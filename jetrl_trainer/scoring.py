@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 from transformers import GenerationConfig
 
+from jetrl_trainer.compiled_forward import CompiledBackbone
 from jetrl_trainer.quant import precision_phase
 from jetrl_trainer.rollout import position_ids_from_mask, processed_logprobs
 
@@ -118,8 +119,10 @@ class AutoregressiveScorer(PolicyScorer):
         trl_token_logps: Callable[..., tuple[Tensor, Tensor | None, Tensor | None]],
         generation_config: GenerationConfig,
         autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+        compiled: CompiledBackbone | None = None,
     ) -> None:
         self._trl_token_logps = trl_token_logps
+        self.compiled = compiled  # compile_policy_forward: the policy's train-phase forwards, compiled
         self._warp = dict(
             temperature=generation_config.temperature or 1.0,
             top_k=generation_config.top_k or 0,
@@ -130,7 +133,18 @@ class AutoregressiveScorer(PolicyScorer):
 
     def token_logps(self, model, input_ids, attention_mask, logits_to_keep, slices, **options):
         with generation_positions(model):
-            return self._trl_token_logps(model, input_ids, attention_mask, logits_to_keep, **options)
+            if self.compiled is None or not self.compiled.applies_to(model):
+                return self._trl_token_logps(model, input_ids, attention_mask, logits_to_keep, **options)
+            # Right-padded to a static length; the padded tokens' log-probs (the last ones) are dropped.
+            input_ids, attention_mask, pad = self.compiled.pad(input_ids, attention_mask)
+            with self.compiled.active():
+                logps, entropies, aux = self._trl_token_logps(
+                    model, input_ids, attention_mask, logits_to_keep + pad, **options
+                )
+        if pad:
+            logps = logps[:, :logits_to_keep]
+            entropies = entropies[:, :logits_to_keep] if entropies is not None else None
+        return logps, entropies, aux
 
     @torch.no_grad()
     def rollout_logps(self, model: nn.Module, batch: dict[str, Any], *, batch_size: int) -> Tensor:
