@@ -3,6 +3,8 @@
 M = 8192 tokens. Two FP8 timings per layer:
 * ``weight_cached``: the FP8 weight comes from the per-step cache (as for every forward after the
   first in an optimizer step, e.g. the rollout's quantization reused by training);
+* ``weight_cached_transposing``: the same with ``cache_transposed_weight = False`` (dgrad transposes
+  the FP8 weight in every backward, as before that cache existed), timed in the same run;
 * ``weight_requantized``: the cache is invalidated every iteration, so the 128×128 weight quant is
   paid once per fwd+bwd — the cost of one training step per layer;
 * ``cuda_graph``: ``weight_requantized`` captured and replayed as one CUDA graph (no launch gaps).
@@ -34,7 +36,7 @@ def _step(layer: nn.Module, x: torch.Tensor, dy: torch.Tensor, requantize: bool 
 def run() -> dict:
     torch.manual_seed(0)
     rows = []
-    totals = {"bf16": 0.0, "fp8_cached": 0.0, "fp8_requant": 0.0, "graphed_bf16": 0.0, "graphed_fp8": 0.0}
+    totals = {"bf16": 0.0, "fp8_cached": 0.0, "fp8_cached_transposing": 0.0, "fp8_requant": 0.0, "graphed_bf16": 0.0, "graphed_fp8": 0.0}
     for name, (n, k) in QWEN3_8B.items():
         lin = nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
         qlin = QuantLinear.from_linear(lin, {"train": "fp8", "rollout": "fp8"})
@@ -42,6 +44,9 @@ def run() -> dict:
         dy = torch.randn(M_TRAIN, n, device="cuda", dtype=torch.bfloat16)
         bf16 = bench_ms(_step(lin, x, dy))
         cached = bench_ms(_step(qlin, x, dy))
+        qlin.cache_transposed_weight = False
+        transposing = bench_ms(_step(qlin, x, dy))
+        qlin.cache_transposed_weight = True
         requant = bench_ms(_step(qlin, x, dy, requantize=True))
         graphed_fp8 = bench_graph_ms(_step(qlin, x, dy, requantize=True), calls=3, replays=10)
         graphed_bf16 = bench_graph_ms(_step(lin, x, dy), calls=3, replays=10)
@@ -49,13 +54,16 @@ def run() -> dict:
         totals["graphed_fp8"] += graphed_fp8
         totals["bf16"] += bf16
         totals["fp8_cached"] += cached
+        totals["fp8_cached_transposing"] += transposing
         totals["fp8_requant"] += requant
         rows.append({"layer": name, "N": n, "K": k, "bf16_ms": round(bf16, 3), "fp8_weight_cached_ms": round(cached, 3),
+                     "fp8_weight_cached_transposing_ms": round(transposing, 3),
                      "fp8_weight_requantized_ms": round(requant, 3), "speedup_cached": round(bf16 / cached, 3),
                      "speedup_requantized": round(bf16 / requant, 3),
                      "cuda_graph_bf16_ms": round(graphed_bf16, 3), "cuda_graph_fp8_ms": round(graphed_fp8, 3),
                      "speedup_cuda_graph": round(graphed_bf16 / graphed_fp8, 3)})
     summary = {"speedup_cached": round(totals["bf16"] / totals["fp8_cached"], 3),
+               "speedup_cached_transposing": round(totals["bf16"] / totals["fp8_cached_transposing"], 3),
                "speedup_requantized": round(totals["bf16"] / totals["fp8_requant"], 3),
                "speedup_cuda_graph": round(totals["graphed_bf16"] / totals["graphed_fp8"], 3),
                **{f"{k}_total_ms": round(v, 3) for k, v in totals.items()}}

@@ -8,8 +8,9 @@ original Parameters, ``state_dict()`` is unchanged.
 
 One ``torch.autograd.Function`` per quantized op:
 
-* :class:`_FP8LinearFunction` — fwd ``Y = X_q ⊗ W_q``; dgrad with the same FP8 weight transposed;
-  wgrad with the saved FP8 activation re-quantized along tokens. Saves FP8 + FP32 scales only.
+* :class:`_FP8LinearFunction` — fwd ``Y = X_q ⊗ W_q``; dgrad with the same FP8 weight transposed
+  (cached beside ``W_q``, see below); wgrad with the saved FP8 activation re-quantized along tokens.
+  Saves FP8 + FP32 scales only.
 * :class:`_NVFP4LinearFunction` — emulated NVFP4 forward (dequantize to FP32, matmul), backward
   ``dequantized`` or ``high_precision``.
 
@@ -20,6 +21,12 @@ cache key combines ``param._version``, ``data_ptr`` and a global generation bump
 mutates ``param.data`` directly (e.g. merging LoRA weights) should call
 :func:`invalidate_weight_caches`. A refresh writes into the cached tensors in place (same shapes),
 so a CUDA graph captured on them (the decode engine's) replays the updated weights.
+
+DGrad's operand, the FP8 weight transposed with its block-scale grid (exact: no re-quantization),
+is cached the same way (``cache_transposed_weight``, on by default): one transpose per optimizer
+step instead of one per backward, for about as many bytes again as the FP8 weight (a quarter of the
+BF16 weight), held only once a training forward ran. It is off under ZeRO-3 (below), where it would
+double the unsharded copies, and inside ``torch.compile`` (transposed in the graph instead).
 
 Under DeepSpeed ZeRO-3 (a weight with ``ds_id``) the key is the step generation and ``ds_id`` only:
 every forward sees a freshly all-gathered ``.data`` (new storage, no ``_version`` bump) and the
@@ -96,11 +103,14 @@ class _FP8LinearFunction(torch.autograd.Function):
     """FP8 linear with FP8 dgrad/wgrad; saves ``(X_q, X_s)`` and ``(W_q, W_sinv)``, never X."""
 
     @staticmethod
-    def forward(ctx, x2d, weight, bias, w_q, w_s, scale_format, out_dtype):
+    def forward(ctx, x2d, weight, bias, w_q, w_s, wt_q, wt_s, scale_format, out_dtype):
+        # (wt_q, wt_s): the cached transposed weight for dgrad, or None (transposed in backward).
         y, x_q, x_s = _fp8_forward(x2d, w_q, w_s, bias, scale_format, out_dtype)
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        ctx.transposed = wt_q is not None
+        dgrad_w = (wt_q, wt_s) if ctx.transposed else (w_q, w_s)
         ctx.save_for_backward(
-            x_q if need_dw else None, x_s if need_dw else None, w_q if need_dx else None, w_s if need_dx else None
+            x_q if need_dw else None, x_s if need_dw else None, *(dgrad_w if need_dx else (None, None))
         )
         ctx.scale_format = scale_format
         ctx.gemm_backend = forced_gemm_backend()  # autograd may run backward on another thread
@@ -118,7 +128,7 @@ class _FP8LinearFunction(torch.autograd.Function):
         if need_dx:
             # grad_input: dX [M, K] = dY_q [M, N] (1x128 along N) ⊗ W_qᵀ [K, N] (128x128 blocks)
             dy_q, dy_s = act_quant_fp8(dy, fmt)
-            wt_q, wt_s = transpose_fp8_blocks(w_q, w_s)
+            wt_q, wt_s = (w_q, w_s) if ctx.transposed else transpose_fp8_blocks(w_q, w_s)
             dx = fp8_gemm_nt(
                 (dy_q, dy_s), (wt_q, wt_s), b_granularity="block", out_dtype=ctx.x_dtype, backend=ctx.gemm_backend
             )
@@ -131,7 +141,7 @@ class _FP8LinearFunction(torch.autograd.Function):
             )
         if need_db:
             db = dy.sum(dim=0, dtype=torch.float32).to(ctx.b_dtype)
-        return dx, dw, db, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -214,6 +224,25 @@ def _same_layout(old: tuple[torch.Tensor, ...], new: tuple[torch.Tensor, ...]) -
     )
 
 
+def _cached(cache: dict, key: tuple, state: Optional[tuple], compute) -> tuple[tuple[torch.Tensor, ...], int]:
+    """``cache[key]`` if it was computed for ``state``, else ``compute()`` stored there; and 1 on a miss."""
+    hit = cache.get(key)
+    if state is not None and hit is not None and hit[0] == state:
+        return hit[1], 0
+    # Normal tensors even inside inference_mode, so a cache filled during a rollout can be
+    # saved for backward by the next training step; no autograd graph either way.
+    with torch.inference_mode(False), torch.no_grad():
+        tensors = compute()
+        if hit is not None and _same_layout(hit[1], tensors):
+            # Refresh in place: a CUDA graph captured on these tensors replays the new weights.
+            for old, new in zip(hit[1], tensors):
+                old.copy_(new)
+            tensors = hit[1]
+    if state is not None:
+        cache[key] = (state, tensors)
+    return tensors, 1
+
+
 class QuantLinear(nn.Linear):
     """``nn.Linear`` with one recipe per precision phase (``.recipes = {"train": …, "rollout": …}``).
 
@@ -222,11 +251,16 @@ class QuantLinear(nn.Linear):
     ``[*, K]`` in FP32/BF16/FP16, output in the input's dtype (the autocast dtype under autocast),
     bias added in FP32 after the GEMM, gradients in the dtype of what they belong to.
 
-    ``weight_quantizations`` counts how many times this layer quantized its weight (cache misses).
+    ``weight_quantizations`` counts how many times this layer quantized its weight (cache misses);
+    ``weight_transposes`` how many times it refreshed the cached transposed FP8 weight of dgrad.
+    ``cache_transposed_weight = False`` (per module or on the class) transposes in every backward
+    instead, saving that cache's memory.
     """
 
     recipes: dict[str, Recipe]
     weight_quantizations: int
+    weight_transposes: int
+    cache_transposed_weight: bool = True
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, recipes: Mapping[str, RecipeLike]) -> QuantLinear:
@@ -242,17 +276,19 @@ class QuantLinear(nn.Linear):
         self.weight = linear.weight
         self.register_parameter("bias", linear.bias)  # None stays a registered empty slot, as in nn.Linear
         self.train(linear.training)
-        self._weight_cache = {}
-        self.weight_quantizations = 0
+        self._reset_counters()
         self.set_recipes(**dict(recipes))
         return self
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None,
                  *, train: RecipeLike = "fp8", rollout: RecipeLike = "fp8") -> None:
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self._weight_cache = {}
-        self.weight_quantizations = 0
+        self._reset_counters()
         self.set_recipes(train=train, rollout=rollout)
+
+    def _reset_counters(self) -> None:
+        self._weight_cache, self._transposed_cache = {}, {}
+        self.weight_quantizations = self.weight_transposes = 0
 
     def set_recipes(self, train: Optional[RecipeLike] = None, rollout: Optional[RecipeLike] = None) -> None:
         """Replace the recipe of one or both phases (names or Recipe instances); clears the weight cache."""
@@ -266,7 +302,7 @@ class QuantLinear(nn.Linear):
         if any(r.quantized for r in recipes.values()):
             check_choice("the dtype of a quantized weight", self.weight.dtype, FLOAT_DTYPES)
         self.recipes = recipes
-        self._weight_cache = {}
+        self._weight_cache, self._transposed_cache = {}, {}
 
     def to_linear(self) -> nn.Linear:
         """A plain ``nn.Linear`` holding the same Parameters (the inverse of :meth:`from_linear`)."""
@@ -281,7 +317,7 @@ class QuantLinear(nn.Linear):
     def __getstate__(self) -> dict:
         # deepcopy / pickle (e.g. a reference-model copy) must not carry quantized weights along.
         state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__
-        return {**state, "_weight_cache": {}}
+        return {**state, "_weight_cache": {}, "_transposed_cache": {}}
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, train={self.recipes['train']}, rollout={self.recipes['rollout']}"
@@ -319,22 +355,23 @@ class QuantLinear(nn.Linear):
             # Traced (a captured actor update): quantize inside the graph, once per call. The cache's
             # key compares data pointers, which dynamo cannot trace; the bits are the same.
             return self._quantize_weight(recipe)
-        qkey, state = _weight_quant_key(recipe), self._state_key()
-        hit = self._weight_cache.get(qkey)
-        if state is not None and hit is not None and hit[0] == state:
-            return hit[1]
-        # Normal tensors even inside inference_mode, so a cache filled during a rollout can be
-        # saved for backward by the next training step; no autograd graph either way.
-        with torch.inference_mode(False), torch.no_grad():
-            tensors = self._quantize_weight(recipe)
-            if hit is not None and _same_layout(hit[1], tensors):
-                # Refresh in place: a CUDA graph captured on these tensors replays the new weights.
-                for old, new in zip(hit[1], tensors):
-                    old.copy_(new)
-                tensors = hit[1]
-        self.weight_quantizations += 1
-        if state is not None:
-            self._weight_cache[qkey] = (state, tensors)
+        tensors, missed = _cached(self._weight_cache, _weight_quant_key(recipe), self._state_key(),
+                                  lambda: self._quantize_weight(recipe))  # fmt: skip
+        self.weight_quantizations += missed
+        return tensors
+
+    def transposed_fp8_weight(self, recipe: FP8Recipe) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """DGrad's ``(W_qᵀ [K, N], s_invᵀ)``, cached per weight version like :meth:`quantized_weight`;
+        None where it is not cached (``cache_transposed_weight`` off, ZeRO-3, inside ``torch.compile``)."""
+        if not self.cache_transposed_weight or torch.compiler.is_compiling():
+            return None
+        state = self._state_key()
+        if state is None or state[1] == "zero3":
+            return None
+        w_q, w_s = self.quantized_weight(recipe)
+        tensors, missed = _cached(self._transposed_cache, _weight_quant_key(recipe), state,
+                                  lambda: transpose_fp8_blocks(w_q, w_s))  # fmt: skip
+        self.weight_transposes += missed
         return tensors
 
     # -- forward --------------------------------------------------------------------------------
@@ -361,7 +398,9 @@ class QuantLinear(nn.Linear):
         if isinstance(recipe, FP8Recipe):
             w_q, w_s = tensors
             if grad:
-                return _FP8LinearFunction.apply(x2d, w, b, w_q, w_s, recipe.scale_format, out_dtype)
+                wt = self.transposed_fp8_weight(recipe) if x2d.requires_grad else None
+                wt_q, wt_s = wt if wt is not None else (None, None)
+                return _FP8LinearFunction.apply(x2d, w, b, w_q, w_s, wt_q, wt_s, recipe.scale_format, out_dtype)
             # Decode-sized M (rollouts): the split-K decode GEMM (kernels/triton_decode_gemm.py).
             y = decode_linear_fp8(x2d, w_q, w_s, b, recipe.scale_format, out_dtype)
             if y is not None:

@@ -103,7 +103,8 @@ def test_saved_tensors_are_fp8_and_scales_only(dtype):
     fp8 = [t for t in saved if t.dtype == torch.float8_e4m3fn]
     scales = [t for t in saved if t.dtype == torch.float32]
     assert len(fp8) == 2 and len(scales) == 2 and len(fp8) + len(scales) == len(saved)
-    assert sorted(tuple(t.shape) for t in fp8) == [(36, 200), (150, 200)]
+    # The weight is saved as dgrad's operand: the cached transposed FP8 weight [K, N].
+    assert sorted(tuple(t.shape) for t in fp8) == [(36, 200), (200, 150)]
     assert sorted(tuple(t.shape) for t in scales) == [(2, 2), (36, 2)]
     y.sum().backward()
     assert x.grad is not None and q.weight.grad is not None
@@ -115,7 +116,7 @@ def test_frozen_weight_saves_only_the_weight():
     q.bias.requires_grad_(False)
     x = torch.randn(5, 200, requires_grad=True)
     y, saved = _saved_tensors(q, x)
-    assert [tuple(t.shape) for t in saved] == [(150, 200), (2, 2)]  # W_q and its block scales
+    assert [tuple(t.shape) for t in saved] == [(200, 150), (2, 2)]  # W_qᵀ (cached) and its block scales
     y.sum().backward()
     assert x.grad.shape == (5, 200) and q.weight.grad is None
 
@@ -186,6 +187,64 @@ def test_weight_refresh_writes_into_the_cached_tensors():
     assert_bits_equal(new_q, fresh_q, "w_q")
     assert_bits_equal(new_s, fresh_s, "w_s")
     assert q.weight_quantizations == 2
+
+
+def _fp8_grads(q, x, dy):
+    x = x.clone().requires_grad_(True)
+    q.zero_grad(set_to_none=True)
+    q(x).backward(dy)
+    return x.grad, q.weight.grad, q.bias.grad
+
+
+def test_dgrad_uses_the_cached_transposed_weight_with_the_same_bits():
+    """The transposed FP8 weight is made once per optimizer step and dgrad runs on it; the gradients
+    are bit-identical to transposing in every backward (``cache_transposed_weight = False``)."""
+    from jetrl_trainer.quant.recipe import get_recipe
+
+    _, q = _pair()
+    _, plain = _pair()
+    plain.cache_transposed_weight = False
+    x, dy = torch.randn(8, 200), torch.randn(8, 150)
+    for _ in range(2):  # the second backward reuses the cache
+        cached, fresh = _fp8_grads(q, x, dy), _fp8_grads(plain, x, dy)
+        for a, b, what in zip(cached, fresh, ("dx", "dw", "db")):
+            assert_bits_equal(a, b, what)
+    assert q.weight_transposes == 1 and plain.weight_transposes == 0
+    assert q.weight_quantizations == plain.weight_quantizations == 1
+    wt_q, wt_s = q.transposed_fp8_weight(get_recipe("fp8"))
+    w_q, w_s = q.quantized_weight(get_recipe("fp8"))
+    assert_bits_equal(wt_q, w_q.t().contiguous(), "wt_q")
+    assert_bits_equal(wt_s, w_s.t().contiguous(), "wt_s")
+
+
+def test_transposed_weight_cache_refreshes_in_place_after_a_step():
+    from jetrl_trainer.quant.recipe import get_recipe
+
+    _, q = _pair()
+    recipe = get_recipe("fp8")
+    opt = torch.optim.SGD(q.parameters(), lr=0.5)
+    x, dy = torch.randn(8, 200), torch.randn(8, 150)
+    _fp8_grads(q, x, dy)
+    wt_q, wt_s = q.transposed_fp8_weight(recipe)
+    opt.step()
+    dx_after = _fp8_grads(q, x, dy)[0]
+    new_q, new_s = q.transposed_fp8_weight(recipe)
+    assert new_q is wt_q and new_s is wt_s and q.weight_transposes == 2
+    w_q, w_s = quantize_fp8_blocks(q.weight.detach())
+    assert_bits_equal(new_q, w_q.t().contiguous(), "wt_q")
+    assert_bits_equal(new_s, w_s.t().contiguous(), "wt_s")
+    _, plain = _pair()
+    plain.load_state_dict(q.state_dict())
+    plain.cache_transposed_weight = False
+    assert_bits_equal(dx_after, _fp8_grads(plain, x, dy)[0], "dx")
+
+
+def test_no_transposed_weight_without_an_input_gradient_or_in_rollouts():
+    _, q = _pair()
+    q(torch.randn(8, 200)).sum().backward()  # the input needs no gradient: no dgrad
+    with torch.no_grad(), precision_phase("rollout"):
+        q(torch.randn(8, 200))
+    assert q.weight_transposes == 0 and q._transposed_cache == {}
 
 
 def test_in_place_edits_invalidate_but_data_edits_need_an_explicit_call():
