@@ -110,13 +110,15 @@ def mismatch(model, ps, completions, logprobs, rows: int = 8) -> float:
 
 
 # Engine variants for --variants: the engine of 2026-12-02 against the code before it (attention
-# launch, fused q/k norms, decode-GEMM split length), and without the q/k-norm fusion alone.
+# launch, fused q/k norms, decode-GEMM split length), without the q/k-norm fusion alone, and
+# without the grouped q/k/v and gate/up launches (the code of 2026-12-02's runs 7-9).
 VARIANTS = {
     "shipped": dict(attention={}, fuse_qk_norms=True, min_groups_per_split=None),
     "before": dict(attention=dict(splits=8, block_n=32, flash_order=False), fuse_qk_norms=False, min_groups_per_split=1,
                    look_ahead=False),
     "unfused_qk": dict(attention={}, fuse_qk_norms=False, min_groups_per_split=None),
     "no_look_ahead": dict(attention={}, fuse_qk_norms=True, min_groups_per_split=None, look_ahead=False),
+    "ungrouped": dict(attention={}, fuse_qk_norms=True, min_groups_per_split=None, grouped=False),
 }
 VARIANT = VARIANTS["shipped"]
 
@@ -125,6 +127,7 @@ def new_engine(model, **kwargs) -> DecodeEngine:
     engine = DecodeEngine(model, **kwargs)
     engine.attention_options = dict(VARIANT["attention"])
     engine.look_ahead = VARIANT.get("look_ahead", True)
+    engine.grouped_projections = VARIANT.get("grouped", True)
     if not VARIANT["fuse_qk_norms"]:
         engine.view.qk_norms = []  # the q/k norm modules run on their own, as before the fused launch
     return engine
@@ -244,10 +247,11 @@ def profile_step(model, batch: int, new: int) -> dict:
     out = {}
     config = GenerationConfig(max_new_tokens=new, do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
     general = "scaled_mm" if "scaled_mm" in available_gemm_backends("cuda") else "triton"
-    for precision in ("bf16", "fp8", "fp8_general"):
+    for precision in ("bf16", "fp8", "fp8_ungrouped", "fp8_general"):
         forced = use_gemm_backend(general) if precision == "fp8_general" else contextlib.nullcontext()
         with torch.no_grad(), precision_phase("train" if precision == "bf16" else "rollout"), forced:
             engine = DecodeEngine(model)
+            engine.grouped_projections = precision != "fp8_ungrouped"
             v = engine.view
             cache = KVCache(num_layers=len(v.layers), num_slots=batch + 1, max_len=PROMPT + new,
                             num_kv_heads=v.num_kv_heads, head_dim=v.head_dim, dtype=v.dtype, device=v.device)

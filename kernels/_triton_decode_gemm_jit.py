@@ -23,13 +23,33 @@ from jetrl_trainer.kernels._triton_quant_jit import _amax, _fp8_bits, _scale_fro
 def fp8_decode_gemm_kernel(
     x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, bias_ptr, xq_ptr, xqs_ptr,
     M, N, K, stride_xm, stride_xsm, stride_wn, stride_wsn, stride_om,
+    w1_ptr, ws1_ptr, bias1_ptr, out1_ptr, N1, w2_ptr, ws2_ptr, bias2_ptr, out2_ptr, N2,
     GROUPS_PER_SPLIT: tl.constexpr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     QUANTIZE: tl.constexpr, SWAP: tl.constexpr, HAS_BIAS: tl.constexpr,
-    WRITE_Q: tl.constexpr, UE8M0: tl.constexpr,
+    WRITE_Q: tl.constexpr, UE8M0: tl.constexpr, SEGMENTS: tl.constexpr,
 ):
+    """``SEGMENTS`` > 1: one launch for two or three weights that share the activation (q/k/v,
+    gate/up). Segment ``s`` (weight ``[N_s, K]`` contiguous, output ``[M, N_s]`` contiguous) owns
+    ``cdiv(N_s, BLOCK_N)`` consecutive N tiles; in the partial sums it sits at column offset
+    ``N_0 + ... + N_{s-1}`` of ``N_0 + N_1 + N_2`` columns."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
+    n_total = N
+    col0 = pid_n * 0  # a tensor, not a constexpr: it is rebound inside a runtime branch
+    if SEGMENTS > 1:  # find this tile's segment; rebind its operands (segment 0 keeps the arguments)
+        n_total = N + N1 + N2
+        tiles0 = tl.cdiv(N, BLOCK_N)
+        if pid_n >= tiles0:
+            pid_n -= tiles0
+            col0 = N
+            N, w_ptr, ws_ptr, bias_ptr, out_ptr, stride_om = N1, w1_ptr, ws1_ptr, bias1_ptr, out1_ptr, N1
+            if SEGMENTS > 2:
+                tiles1 = tl.cdiv(N1, BLOCK_N)
+                if pid_n >= tiles1:
+                    pid_n -= tiles1
+                    col0 += N1
+                    N, w_ptr, ws_ptr, bias_ptr, out_ptr, stride_om = N2, w2_ptr, ws2_ptr, bias2_ptr, out2_ptr, N2
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, 128)
@@ -71,9 +91,9 @@ def fp8_decode_gemm_kernel(
     if SWAP:
         acc = tl.trans(acc)  # (BLOCK_M, BLOCK_N)
     out_mask = m_ok[:, None] & (offs_n[None, :] < N)
-    tile = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]  # index into one [M, N] partial
+    tile = offs_m[:, None].to(tl.int64) * n_total + col0 + offs_n[None, :]  # index into one [M, N] partial
     if SPLITS > 1:
-        tl.store(part_ptr + pid_k.to(tl.int64) * M * N + tile, acc, mask=out_mask)
+        tl.store(part_ptr + pid_k.to(tl.int64) * M * n_total + tile, acc, mask=out_mask)
         return
     if HAS_BIAS:  # added to the FP32 result, then rounded once (QuantLinear's contract)
         acc += tl.load(bias_ptr + rows_w).to(tl.float32)[None, :]
@@ -83,17 +103,34 @@ def fp8_decode_gemm_kernel(
 
 @triton.jit
 def splitk_reduce_kernel(
-    part_ptr, bias_ptr, out_ptr, M, N, stride_om,
-    SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+    part_ptr, bias_ptr, out_ptr, M, N, stride_om, bias1_ptr, out1_ptr, N1, bias2_ptr, out2_ptr, N2,
+    SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, SEGMENTS: tl.constexpr,
 ):
-    """out [M, N] = sum over splits of part [SPLITS, M, N] (+ bias), in split order, rounded once."""
+    """out [M, N] = sum over splits of part [SPLITS, M, N] (+ bias), in split order, rounded once.
+    With ``SEGMENTS`` > 1 the partials hold ``N + N1 + N2`` columns, written to the segments' outputs."""
+    n_total = N + N1 + N2 if SEGMENTS > 1 else N
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < M * N
+    mask = offs < M * n_total
     acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
     for s in tl.static_range(1, SPLITS):
-        acc += tl.load(part_ptr + s * M * N + offs, mask=mask, other=0.0)
-    m = offs // N
-    n = offs % N
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + n, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + m.to(tl.int64) * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        acc += tl.load(part_ptr + s * M * n_total + offs, mask=mask, other=0.0)
+    m = offs // n_total
+    n = offs % n_total
+    m64 = m.to(tl.int64)
+    if SEGMENTS > 1:
+        in1 = n >= N
+        if SEGMENTS > 2:
+            in2 = n >= N + N1
+        else:
+            in2 = n < 0  # no third segment
+        local = tl.where(in2, n - N - N1, tl.where(in1, n - N, n))
+        dst = tl.where(in2, out2_ptr + m64 * N2 + local, tl.where(in1, out1_ptr + m64 * N1 + local,
+                                                                 out_ptr + m64 * stride_om + local))
+        if HAS_BIAS:
+            bias = tl.where(in2, bias2_ptr + local, tl.where(in1, bias1_ptr + local, bias_ptr + local))
+            acc += tl.load(bias, mask=mask, other=0.0).to(tl.float32)
+    else:
+        dst = out_ptr + m64 * stride_om + n
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + n, mask=mask, other=0.0).to(tl.float32)
+    tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=mask)

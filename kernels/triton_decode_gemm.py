@@ -34,6 +34,7 @@ it would time kernels on the first call and break CUDA-graph capture).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Optional
 
 import torch
@@ -43,7 +44,7 @@ from jetrl_trainer._choices import FLOAT_DTYPES, check_choice
 
 from ._triton_support import call_op, cdiv, check_scale_format, load_jit, sm_count
 
-__all__ = ["DECODE_MAX_M", "PROLOGUE_MAX_M", "fp8_decode_gemm_nt", "fp8_decode_linear"]
+__all__ = ["DECODE_MAX_M", "PROLOGUE_MAX_M", "fp8_decode_gemm_grouped", "fp8_decode_gemm_nt", "fp8_decode_linear"]
 
 _FP8 = torch.float8_e4m3fn
 
@@ -67,12 +68,14 @@ PROLOGUE_MAX_M = 0
 REDUCE_BLOCK = 1024
 
 
-def plan(m: int, n: int, k: int, sms: int, launch: Optional[dict] = None) -> dict:
-    """Tile sizes and K split for an ``[M, K] x [N, K]ᵀ`` GEMM on a GPU with ``sms`` SMs."""
+def plan(m: int, n: int | Sequence[int], k: int, sms: int, launch: Optional[dict] = None) -> dict:
+    """Tile sizes and K split for an ``[M, K] x [N, K]ᵀ`` GEMM on a GPU with ``sms`` SMs; ``n`` a
+    sequence of widths for a grouped launch (each weight its own N tiles)."""
     launch = {**LAUNCH, **(launch or {})}
     block_m = max(16, min(64, 1 << (max(m, 1) - 1).bit_length()))  # one M tile up to 64 rows
     block_n = launch["BLOCK_N"]
-    tiles = cdiv(n, block_n) * cdiv(m, block_m)
+    widths = [n] if isinstance(n, int) else list(n)
+    tiles = sum(cdiv(w, block_n) for w in widths) * cdiv(m, block_m)
     groups = cdiv(k, 128)
     splits = max(1, min(cdiv(groups, launch["MIN_GROUPS_PER_SPLIT"]), cdiv(launch["WAVES"] * sms, tiles)))
     per_split = cdiv(groups, splits)
@@ -87,7 +90,6 @@ def _decode_linear_op(
     x: Tensor, x_s: Optional[Tensor], w_q: Tensor, w_s: Tensor, bias: Optional[Tensor],
     scale_format: str, out_dtype: torch.dtype, write_q: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    jit = load_jit("_triton_decode_gemm_jit")
     m, k = x.shape
     n = w_q.shape[0]
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
@@ -96,22 +98,55 @@ def _decode_linear_op(
     s = torch.empty((m, cdiv(k, 128)) if write_q else (0,), dtype=torch.float32, device=x.device)
     if m == 0 or n == 0:
         return out, q, s
-    cfg = plan(m, n, k, sm_count(x.device))
-    splits = cfg["SPLITS"]
-    grid = (cdiv(n, cfg["BLOCK_N"]), splits, cdiv(m, cfg["BLOCK_M"]))
-    part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else out
+    _launch(x, x_s, [(w_q, w_s, bias, out)], scale_format, q, s, write_q)
+    return out, q, s
+
+
+def _launch(x: Tensor, x_s: Optional[Tensor], segments: list[tuple], scale_format: str, q: Tensor, s: Tensor,
+            write_q: bool) -> None:  # fmt: skip
+    """The GEMM (and the split-K reduction) for ``segments``: one to three ``(w_q, w_s, bias, out)``."""
+    jit = load_jit("_triton_decode_gemm_jit")
+    m, k = x.shape
+    widths = [w_q.shape[0] for w_q, *_ in segments]
+    cfg = plan(m, widths, k, sm_count(x.device))
+    splits, quantize, has_bias = cfg["SPLITS"], x_s is None, segments[0][2] is not None
+    # Segment 0 is the arguments of a single-weight launch; segments 1-2 follow (unused: segment 0's).
+    args = [(w_q, w_s, bias if bias is not None else w_s, out, w_q.shape[0]) for w_q, w_s, bias, out in segments]
+    w_q, w_s, bias, out, n = args[0]
+    rest = [a for seg in args[1:] for a in seg]
+    rest += [w_q, w_s, bias, out, 0] * (3 - len(args))
+    total = sum(widths)
+    grid = (sum(cdiv(w, cfg["BLOCK_N"]) for w in widths), splits, cdiv(m, cfg["BLOCK_M"]))
+    part = torch.empty((splits, m, total), dtype=torch.float32, device=x.device) if splits > 1 else out
     jit.fp8_decode_gemm_kernel[grid](
-        x, x_s if x_s is not None else w_s, w_q, w_s, out, part, bias if bias is not None else w_s, q.view(torch.uint8), s, m, n, k,
-        x.stride(0), x_s.stride(0) if x_s is not None else 0, w_q.stride(0), w_s.stride(0), out.stride(0),
-        QUANTIZE=quantize, HAS_BIAS=bias is not None, WRITE_Q=write_q and quantize,
-        UE8M0=scale_format == "ue8m0", **cfg,
+        x, x_s if x_s is not None else w_s, w_q, w_s, out, part, bias, q.view(torch.uint8), s, m, n, k,
+        x.stride(0), x_s.stride(0) if x_s is not None else 0, w_q.stride(0), w_s.stride(0), out.stride(0), *rest,
+        QUANTIZE=quantize, HAS_BIAS=has_bias, WRITE_Q=write_q and quantize,
+        UE8M0=scale_format == "ue8m0", SEGMENTS=len(segments), **cfg,
     )  # fmt: skip
     if splits > 1:
-        jit.splitk_reduce_kernel[(cdiv(m * n, REDUCE_BLOCK),)](
-            part, bias if bias is not None else w_s, out, m, n, out.stride(0),
-            SPLITS=splits, HAS_BIAS=bias is not None, BLOCK=REDUCE_BLOCK, num_warps=4,
+        jit.splitk_reduce_kernel[(cdiv(m * total, REDUCE_BLOCK),)](
+            part, bias, out, m, n, out.stride(0), *rest[2:5], *rest[7:10],
+            SPLITS=splits, HAS_BIAS=has_bias, BLOCK=REDUCE_BLOCK, SEGMENTS=len(segments), num_warps=4,
         )  # fmt: skip
-    return out, q, s
+
+
+@torch.library.custom_op("jetrl::fp8_decode_gemm_grouped", mutates_args=(), device_types="cuda")
+def _decode_grouped_op(
+    x_q: Tensor, x_s: Tensor, w_qs: list[Tensor], w_ss: list[Tensor], biases: list[Optional[Tensor]],
+    out_dtype: torch.dtype,
+) -> list[Tensor]:  # fmt: skip
+    m = x_q.shape[0]
+    outs = [torch.empty((m, w_q.shape[0]), dtype=out_dtype, device=x_q.device) for w_q in w_qs]
+    if m:
+        empty = torch.empty((0,), dtype=torch.float32, device=x_q.device)
+        _launch(x_q, x_s, list(zip(w_qs, w_ss, biases, outs)), "fp32", empty, empty, False)
+    return outs
+
+
+@_decode_grouped_op.register_fake
+def _(x_q, x_s, w_qs, w_ss, biases, out_dtype):
+    return [x_q.new_empty((x_q.shape[0], w_q.shape[0]), dtype=out_dtype) for w_q in w_qs]
 
 
 @_decode_linear_op.register_fake
@@ -166,3 +201,33 @@ def fp8_decode_gemm_nt(
     _check_weight(w_q, w_s, k)
     check_choice("out_dtype", out_dtype, FLOAT_DTYPES)
     return call_op(_decode_linear_op, x_q, x_s, w_q, w_s, bias, "fp32", out_dtype, False)[0]
+
+
+def fp8_decode_gemm_grouped(
+    x_q: Tensor, x_s: Tensor, weights: Sequence[tuple[Tensor, Tensor]], biases: Sequence[Optional[Tensor]] = (),
+    *, out_dtype: torch.dtype = torch.bfloat16,
+) -> list[Tensor]:  # fmt: skip
+    """:func:`fp8_decode_gemm_nt` of one prequantized activation with two or three weights (q/k/v,
+    gate/up) in one launch: ``[x ⊗ w_0, x ⊗ w_1, ...]``. At decode each projection alone is too
+    small to keep every SM streaming (k/v of an 8B model are 4 MB of FP8); together they fill the
+    GPU with one launch and one reduction. Biases: all or none. Same operands, and per output the
+    same math as separate calls; only the K split (summation order) may differ."""
+    if not 2 <= len(weights) <= 3:
+        raise ValueError(f"a grouped decode GEMM takes 2 or 3 weights; got {len(weights)}.")
+    biases = list(biases) or [None] * len(weights)
+    if len(biases) != len(weights) or len({b is None for b in biases}) != 1:
+        raise ValueError("give a bias for every weight of a grouped decode GEMM, or none.")
+    if x_q.dtype != _FP8 or x_q.dim() != 2 or x_q.stride(-1) != 1 or not x_q.is_cuda:
+        raise ValueError(f"x_q must be a 2-D CUDA float8_e4m3fn with unit stride; got {x_q.dtype} {tuple(x_q.shape)}.")
+    m, k = x_q.shape
+    if x_s.dtype != torch.float32 or tuple(x_s.shape) != (m, cdiv(k, 128)) or x_s.stride(-1) != 1:
+        raise ValueError(f"x_s must be float32 {(m, cdiv(k, 128))} with unit stride; got {x_s.dtype} {tuple(x_s.shape)}.")
+    for w_q, w_s in weights:
+        _check_weight(w_q, w_s, k)
+        if not (w_q.is_contiguous() and w_s.is_contiguous()):
+            raise ValueError("the weights of a grouped decode GEMM must be contiguous.")
+    if len({b.dtype for b in biases if b is not None}) > 1:
+        raise ValueError("the biases of a grouped decode GEMM must share one dtype.")
+    check_choice("out_dtype", out_dtype, FLOAT_DTYPES)
+    w_qs, w_ss = [w for w, _ in weights], [s for _, s in weights]
+    return call_op(_decode_grouped_op, x_q, x_s, w_qs, w_ss, biases, out_dtype)

@@ -159,7 +159,11 @@ class FusedSwiGLUMLP(nn.Module):
         self._unfused: Optional[nn.Module] = None  # the module replaced (set by the swap; not a sub-module)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_from(self.gate_proj(x), self.up_proj(x))
+
+    def down_from(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """The rest of the forward from the gate/up outputs (the decode engine computes those two
+        in one launch)."""
         if not _use_kernels(gate, "triton_swiglu") or gate.dtype != up.dtype:
             return self.down_proj(swiglu_reference(gate, up))
         fmt = _fp8_format(self.down_proj)

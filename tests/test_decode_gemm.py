@@ -185,3 +185,73 @@ def test_a_rollout_phase_quantlinear_takes_the_kernel_at_decode_m_only(monkeypat
     with precision_phase("rollout"):
         layer(x).sum().backward()  # autograd keeps the general path (it saves X_q for the backward)
     assert calls == {"prologue": [1], "prequantized": [1, 64, 17]} and x.grad is not None
+
+
+GROUPS = [(16, [4096, 1024, 1024], 4096), (64, [4096, 1024, 1024], 4096), (1, [12288, 12288], 4096),
+          (64, [12288, 12288], 4096), (7, [200, 72, 72], 300), (33, [128, 64], 1024)]  # fmt: skip
+
+
+@pytest.mark.gpu
+@CUDA
+@pytest.mark.parametrize("m, widths, k", GROUPS)
+@pytest.mark.parametrize("bias", [False, True])
+def test_grouped_launch_computes_each_weight_and_is_deterministic(m, widths, k, bias, launch):
+    """q/k/v (or gate/up) in one launch: each output matches its own weight's reference, as the
+    single-weight kernel does, and a repeat gives the same bits."""
+    _need_kernel()
+    g = torch.Generator().manual_seed(m)
+    x = (torch.randn(m, k, generator=g) * 3).to("cuda", torch.bfloat16)
+    x_q, x_s = quantize_fp8_groups(x)
+    weights = []
+    for n in widths:
+        w_q, w_s = quantize_fp8_blocks((torch.randn(n, k, generator=g) * 0.05).cuda())
+        weights.append((w_q.contiguous(), w_s.contiguous()))
+    biases = [torch.randn(n, generator=g).to("cuda", torch.bfloat16) for n in widths] if bias else []
+    outs = dg.fp8_decode_gemm_grouped(x_q, x_s, weights, biases, out_dtype=torch.float32)
+    again = dg.fp8_decode_gemm_grouped(x_q, x_s, weights, biases, out_dtype=torch.float32)
+    for i, ((w_q, w_s), out) in enumerate(zip(weights, outs)):
+        ref = _reference(x, w_q, w_s, biases[i] if bias else None)
+        assert out.shape == (m, widths[i]) and relative_error(out, ref) < 3e-4, (i, relative_error(out, ref))
+        assert torch.equal(out, again[i])
+        single = dg.fp8_decode_gemm_nt(x_q, x_s, w_q, w_s, biases[i] if bias else None, out_dtype=torch.float32)
+        assert relative_error(out, single) < 1e-5  # the same operands; only the K split may differ
+
+
+@pytest.mark.gpu
+@CUDA
+def test_grouped_launch_replays_in_a_cuda_graph():
+    _need_kernel()
+    x_q, x_s = quantize_fp8_groups(torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16))
+    weights = [tuple(t.contiguous() for t in quantize_fp8_blocks(torch.randn(n, 4096, device="cuda") * 0.05))
+               for n in (4096, 1024, 1024)]  # fmt: skip
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        dg.fp8_decode_gemm_grouped(x_q, x_s, weights)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = dg.fp8_decode_gemm_grouped(x_q, x_s, weights)
+    new_q, new_s = quantize_fp8_groups(torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16))
+    x_q.copy_(new_q)
+    x_s.copy_(new_s)
+    graph.replay()
+    for out, want in zip(outs, dg.fp8_decode_gemm_grouped(new_q, new_s, weights)):
+        assert torch.equal(out, want)
+
+
+def test_grouped_launch_refuses_bad_operands():
+    w = quantize_fp8_blocks(torch.randn(128, 256))
+    with pytest.raises(ValueError, match="2 or 3 weights"):
+        dg.fp8_decode_gemm_grouped(*quantize_fp8_groups(torch.randn(4, 256)), [w])
+    with pytest.raises(ValueError, match="every weight"):
+        dg.fp8_decode_gemm_grouped(*quantize_fp8_groups(torch.randn(4, 256)), [w, w], [torch.zeros(128), None])
+    with pytest.raises(ValueError, match="CUDA"):
+        dg.fp8_decode_gemm_grouped(*quantize_fp8_groups(torch.randn(4, 256)), [w, w])
+
+
+def test_grouped_plan_counts_the_tiles_of_every_weight():
+    # q/k/v of Qwen3-8B at M = 64: 96 N tiles together, so fewer K splits than q alone (64 tiles).
+    alone, grouped = dg.plan(64, 4096, 4096, sms=132), dg.plan(64, [4096, 1024, 1024], 4096, sms=132)
+    assert grouped["SPLITS"] < alone["SPLITS"] and grouped["GROUPS_PER_SPLIT"] * grouped["SPLITS"] >= 32
+    assert dg.plan(64, [4096], 4096, sms=132) == alone

@@ -134,6 +134,35 @@ def test_fused_qk_norms_are_handed_to_the_rope_launch_and_the_layers_compute_the
     assert torch.equal(fused, expected)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_projections_group_only_plain_fp8_quantlinears(arch):
+    """q/k/v and gate/up form one decode launch each for FP8 QuantLinears (Qwen2's biases too);
+    HF's own Linears and LoRA layers do not group; the grouped MLP's tail is the MLP's forward."""
+    from peft import LoraConfig, get_peft_model
+
+    from jetrl_trainer.quant.fused import fuse_norm_and_swiglu
+    from jetrl_trainer.rollout.engine.architecture import DecoderView, _down_from
+
+    plain = BUILDERS[arch](tokenizer()).eval()
+    assert not any(DecoderView.from_model(plain).qkv_groups + DecoderView.from_model(plain).mlp_groups)
+    for fuse in (False, True):
+        model = quantize_model(BUILDERS[arch](tokenizer()), train="fp8", rollout="fp8").eval()
+        if fuse:
+            fuse_norm_and_swiglu(model)
+        view = DecoderView.from_model(model)
+        assert all(g is not None and len(g.modules) == 3 for g in view.qkv_groups)
+        assert all(g is not None and len(g.modules) == 2 for g in view.mlp_groups)
+        mlp = model.model.layers[0].mlp
+        x = torch.randn(3, 1, mlp.gate_proj.in_features)
+        with torch.no_grad(), precision_phase("rollout"):
+            assert view.qkv_groups[0](x) is None  # CPU: the modules run one by one
+            assert torch.equal(_down_from(mlp, mlp.gate_proj(x), mlp.up_proj(x)), mlp(x))
+    lora = LoraConfig(r=4, target_modules=["k_proj", "up_proj"], init_lora_weights=False)
+    model = quantize_model(get_peft_model(BUILDERS[arch](tokenizer()), lora), train="fp8", rollout="fp8").eval()
+    view = DecoderView.from_model(model)
+    assert not any(view.qkv_groups) and not any(view.mlp_groups)
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_sampled_logprobs_are_those_of_the_warped_distribution(precision):
     model = build_tiny_qwen3(tokenizer()).eval()

@@ -103,6 +103,35 @@ def test_graphed_look_ahead_changes_no_token():
         assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-3, rtol=0)
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_grouped_projections_change_no_token(arch, monkeypatch):
+    """q/k/v and gate/up in one FP8 decode launch each (Qwen2: with biases): the same greedy tokens
+    as the modules one by one, and the grouped launch really ran (two per layer and step)."""
+    _graphs_or_skip()
+    from jetrl_trainer.kernels import triton_decode_gemm as dg
+    from jetrl_trainer.tiny import build_tiny_qwen2
+
+    build = build_tiny_qwen2 if arch == "qwen2" else build_tiny_qwen3
+    model, tok = build(tokenizer()).cuda().eval(), tokenizer()
+    quantize_model(model, train="fp8", rollout="fp8")
+    calls = []
+    real = dg.fp8_decode_gemm_grouped
+    monkeypatch.setattr(dg, "fp8_decode_gemm_grouped", lambda *a, **kw: calls.append(len(a[2])) or real(*a, **kw))
+    config = GenerationConfig(max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=[-1])
+    runs = []
+    with precision_phase("rollout"):
+        for grouped in (True, False):
+            engine = DecodeEngine(model, cuda_graphs=True)
+            engine.grouped_projections = grouped
+            runs.append(engine.generate(PROMPTS, config, eos_token_ids=[-1], seed=0, pad_token_id=0))
+            if grouped:
+                assert sorted(set(calls)) == [2, 3] and len(calls) >= 2 * len(model.model.layers)
+                calls.clear()
+    assert runs[0][0] == runs[1][0] and not calls
+    for a, b in zip(runs[0][1], runs[1][1]):
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-3, rtol=0)
+
+
 def test_graphed_sampling_records_the_warped_logprobs():
     _graphs_or_skip()
     model, tok = _model("fp8"), tokenizer()

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from .projections import GroupedProjection
+
 __all__ = ["SUPPORTED_MODEL_TYPES", "DecoderView", "unsupported_model_reason"]
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
@@ -73,6 +75,20 @@ def _fusable_qk_norms(attn: nn.Module, dtype: torch.dtype, head_dim: int) -> tup
     return norms[0].weight, norms[1].weight, norms[0].variance_epsilon, norms[1].variance_epsilon
 
 
+def _is_gated_mlp(mlp: nn.Module) -> bool:
+    """An MLP whose forward is ``down(act(gate(x)) * up(x))`` (HF's Llama/Qwen MLPs, FusedSwiGLUMLP)."""
+    from jetrl_trainer.quant.fused import FusedSwiGLUMLP
+
+    return isinstance(mlp, FusedSwiGLUMLP) or type(mlp).__name__ in ("LlamaMLP", "Qwen2MLP", "Qwen3MLP")
+
+
+def _down_from(mlp: nn.Module, gate: Tensor, up: Tensor) -> Tensor:
+    """The MLP's forward from its gate/up outputs (computed in one launch by the engine)."""
+    if hasattr(mlp, "down_from"):  # FusedSwiGLUMLP: the SwiGLU and its FP8 quant in one kernel
+        return mlp.down_from(gate, up)
+    return mlp.down_proj(mlp.act_fn(gate) * up)  # as LlamaMLP / Qwen2MLP / Qwen3MLP.forward
+
+
 @dataclass
 class DecoderView:
     """The pieces of one model the engine calls, and the shapes it needs to size its cache."""
@@ -93,6 +109,9 @@ class DecoderView:
     # Per layer: (q weight, k weight, q eps, k eps) when the decode kernels may apply the q/k norms
     # inside RoPE (both are FusedRMSNorm, whose bits that launch reproduces), else None.
     qk_norms: list = field(default_factory=list)
+    # Per layer: q/k/v and gate/up as one FP8 decode launch each where they can (projections.py).
+    qkv_groups: list = field(default_factory=list)
+    mlp_groups: list = field(default_factory=list)
 
     @classmethod
     def from_model(cls, model: nn.Module) -> DecoderView:
@@ -110,12 +129,20 @@ class DecoderView:
             num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads, head_dim=attn.head_dim,
             scaling=attn.scaling, dtype=embed.weight.dtype, device=embed.weight.device,
             qk_norms=[_fusable_qk_norms(layer.self_attn, embed.weight.dtype, attn.head_dim) for layer in inner.layers],
+            qkv_groups=[GroupedProjection.of([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj])
+                        for layer in inner.layers],
+            mlp_groups=[GroupedProjection.of([layer.mlp.gate_proj, layer.mlp.up_proj]) if _is_gated_mlp(layer.mlp)
+                        else None for layer in inner.layers],
         )  # fmt: skip
 
     def hidden_states(
-        self, input_ids: Tensor, position_ids: Tensor, attend: Attend, *, rope_in_attend: bool = False
-    ) -> Tensor:
-        """The final-norm hidden states ``(B, T, hidden)``; the layers in HF's order of module calls."""
+        self, input_ids: Tensor, position_ids: Tensor, attend: Attend, *, rope_in_attend: bool = False,
+        grouped: bool = False,
+    ) -> Tensor:  # fmt: skip
+        """The final-norm hidden states ``(B, T, hidden)``; the layers in HF's order of module calls.
+
+        ``grouped``: q/k/v and gate/up run as one launch each where ``qkv_groups`` / ``mlp_groups``
+        can (decode M, FP8 `QuantLinear`s); the modules' own calls otherwise."""
         h = self.embed(input_ids)
         cos, sin = self.rotary(h, position_ids)
         B, T = input_ids.shape
@@ -123,13 +150,15 @@ class DecoderView:
             attn = layer.self_attn
             norms_in_attend = rope_in_attend and self.qk_norms and self.qk_norms[i] is not None
             x = layer.input_layernorm(h)
-            q = attn.q_proj(x).view(B, T, -1, self.head_dim)
+            qkv = self.qkv_groups[i](x) if grouped and self.qkv_groups and self.qkv_groups[i] else None
+            q, k, v = qkv if qkv is not None else (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x))
+            q = q.view(B, T, -1, self.head_dim)
             if hasattr(attn, "q_norm") and not norms_in_attend:  # Qwen3
                 q = attn.q_norm(q)
-            k = attn.k_proj(x).view(B, T, -1, self.head_dim)
+            k = k.view(B, T, -1, self.head_dim)
             if hasattr(attn, "k_norm") and not norms_in_attend:
                 k = attn.k_norm(k)
-            v = attn.v_proj(x).view(B, T, -1, self.head_dim)
+            v = v.view(B, T, -1, self.head_dim)
             if rope_in_attend:
                 out = attend(i, q, k, v, cos, sin)
             else:
@@ -137,7 +166,9 @@ class DecoderView:
                 out = attend(i, q, k, v.transpose(1, 2))
             out = out.transpose(1, 2).reshape(B, T, -1)  # (B, T, H * D)
             h = h + attn.o_proj(out)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            x = layer.post_attention_layernorm(h)
+            gate_up = self.mlp_groups[i](x) if grouped and self.mlp_groups and self.mlp_groups[i] else None
+            h = h + (layer.mlp(x) if gate_up is None else _down_from(layer.mlp, *gate_up))
         return self.norm(h)
 
     def logits(self, hidden: Tensor) -> Tensor:

@@ -94,6 +94,9 @@ class DecodeEngine:
         self.attention_options: dict = {}
         # Queue step t + 1 before waiting for step t (see generate); False waits after every step (benchmarks).
         self.look_ahead = True
+        # q/k/v and gate/up as one FP8 decode launch each in the kernel path (projections.py); False
+        # calls the modules one by one (benchmarks).
+        self.grouped_projections = True
 
     @torch.no_grad()
     def generate(
@@ -238,7 +241,8 @@ class DecodeEngine:
             return out[:, :, None]
 
         if kernel:
-            hidden = v.hidden_states(tokens[:, None], positions, attend_kernels, rope_in_attend=True)
+            hidden = v.hidden_states(tokens[:, None], positions, attend_kernels, rope_in_attend=True,
+                                     grouped=self.grouped_projections)  # fmt: skip
         else:
             hidden = v.hidden_states(tokens[:, None], positions, attend)
         cache.lengths[slots] = lengths
