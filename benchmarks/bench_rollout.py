@@ -190,6 +190,8 @@ def run_case(
                    kv_cache="fp8" if kv else "model dtype",
                    new_tokens=new, generated_tokens=generated, seconds=round(seconds, 3),
                    tok_per_s=round(generated / seconds, 1), peak_gib=round(peak, 2))  # fmt: skip
+        if backend == "engine":
+            row["engine_stats"] = {k: round(v, 4) if isinstance(v, float) else v for k, v in engine.last_stats.items()}
         if not variable and refill == 1:
             row["ms_per_step"] = round(1e3 * seconds / new, 3)
             row["floor_fraction"] = round(floor_fraction(model, precision == "fp8", batch, new, seconds, gbs, bool(kv)), 3)

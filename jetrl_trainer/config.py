@@ -143,6 +143,12 @@ class JetGRPOConfig(GRPOConfig):
             attention bytes). The rollout then departs from the training forward, so it is refused in the
             unified flow (`train_precision == rollout_precision`) and needs a corrector. It saves memory,
             not time (1.3-1.5x slower than the model-dtype cache on an H200, docs/benchmarks.md §7).
+        rollout_keep_engine_state (`bool`, *optional*, defaults to `False`):
+            `rollout_backend="engine"` (or `"auto"` choosing it) only: keep the engine's KV cache and CUDA
+            graphs between rollouts instead of freeing them, so rollouts after the first skip the graph
+            captures. The graphs read the weights in place, so they decode with each step's weights. Costs
+            that memory through training: the cache (slots x (longest prompt + `max_completion_length`),
+            rounded up to 128 positions, x 2 x layers x KV heads x head dim x 2 bytes) and the graphs' pool.
         compile_policy_forward (`bool`, *optional*, defaults to `False`):
             `torch.compile` the policy's decoder layers for the train-phase log-prob forwards (the loss, the
             old and reference log-probs), not for rollouts. Falls back to eager, reason logged, under
@@ -319,6 +325,15 @@ class JetGRPOConfig(GRPOConfig):
             "== rollout_precision), and needs a corrector to manage the mismatch. It saves memory, not time (1.3-1.5x "
             "slower on an H200).",
             "choices": list(KV_CACHE_DTYPES),
+        },
+    )
+    rollout_keep_engine_state: bool = field(
+        default=False,
+        metadata={
+            "help": "rollout_backend='engine' (or 'auto' choosing it) only: keep the engine's KV cache and CUDA graphs "
+            "between rollouts, so rollouts after the first skip the graph captures (the graphs read the weights in "
+            "place). Costs that memory through training: the KV cache (slots x (longest prompt + "
+            "max_completion_length) rounded up to 128, x 2 x layers x KV heads x head dim x 2 bytes) and the graph pool."
         },
     )
     compile_policy_forward: bool = field(
@@ -521,6 +536,11 @@ class JetGRPOConfig(GRPOConfig):
 
     def _check_kv_cache_dtype(self) -> None:
         self.rollout_kv_cache_dtype = _check_choice("rollout_kv_cache_dtype", self.rollout_kv_cache_dtype, KV_CACHE_DTYPES)
+        if self.rollout_keep_engine_state and self.rollout_backend not in ("engine", "auto"):
+            raise ValueError(
+                f"rollout_keep_engine_state=True keeps the decode engine's cache and graphs, but rollout_backend="
+                f"{self.rollout_backend!r} does not run the engine; set rollout_backend='engine' or leave it False."
+            )
         if self.rollout_kv_cache_dtype == "auto":
             return
         if self.rollout_backend != "engine":

@@ -180,6 +180,11 @@ class JetGRPOTrainer(GRPOTrainer):
         ):
             rollout = backend.generate(unwrapped_model, prompt_ids, self.rollout_sampling)
         self._note_logprob_source(rollout)
+        stats = getattr(backend, "last_stats", None)  # the engine's: how long the graph captures took
+        if stats:
+            metrics = self._metrics["train" if self.model.training else "eval"]
+            metrics["rollout/engine_capture_seconds"].append(stats["capture_seconds"])
+            metrics["rollout/engine_reused_state"].append(float(stats["reused_state"]))
         return rollout.completion_ids, rollout.logprobs
 
     def _note_logprob_source(self, rollout: Rollout) -> None:

@@ -360,6 +360,10 @@ class QuantLinear(nn.Linear):
         self.weight_quantizations += missed
         return tensors
 
+    def cached_weight_tensors(self) -> list[torch.Tensor]:
+        """Every quantized-weight tensor cached for the forward (what a captured CUDA graph reads)."""
+        return [t for _, tensors in self._weight_cache.values() for t in tensors]
+
     def transposed_fp8_weight(self, recipe: FP8Recipe) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         """DGrad's ``(W_qᵀ [K, N], s_invᵀ)``, cached per weight version like :meth:`quantized_weight`;
         None where it is not cached (``cache_transposed_weight`` off, ZeRO-3, inside ``torch.compile``)."""

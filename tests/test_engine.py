@@ -193,6 +193,21 @@ def test_a_seed_reproduces_each_row_whatever_the_slots():
     assert _engine(model, PROMPTS, config, eos, seed=12)[0] != full[0]
 
 
+def test_last_stats_count_the_batch_changes_and_time_the_call():
+    """The stats of a call: its wall time, the host's prefill time inside it, and how often the
+    running batch was rebuilt (never while every row runs to the end; on refills otherwise)."""
+    model = build_tiny_qwen3(tokenizer()).eval()
+    config = _config(max_new_tokens=6, do_sample=True, temperature=1.0)
+    engine = DecodeEngine(model)
+    engine.generate(PROMPTS, config, eos_token_ids=[-1], seed=3)
+    stats = engine.last_stats
+    assert stats["batch_changes"] == 0 and stats["graphs_captured"] == 0 and stats["capture_seconds"] == 0.0
+    assert 0 < stats["prefill_host_seconds"] <= stats["seconds"]
+    engine = DecodeEngine(model, max_batch_size=2)
+    engine.generate(PROMPTS, config, eos_token_ids=[-1], seed=3, row_budgets=[6, 1, 3, 2, 6])
+    assert 2 <= engine.last_stats["batch_changes"] <= len(PROMPTS) - 1  # rows leaving together change it once
+
+
 @pytest.mark.parametrize("slots", [None, 2])
 def test_look_ahead_step_changes_no_token_or_logprob(slots):
     """Step t + 1 is queued before step t is read: rows that finish at t (EOS, budgets) drop its
@@ -325,3 +340,65 @@ def test_unified_mismatch_is_no_larger_than_with_hf(tmp_path):
         steps = [log for log in trainer.state.log_history if "mismatch/logp_abs_diff_mean" in log]
         means[backend] = sum(s["mismatch/logp_abs_diff_mean"] for s in steps) / len(steps)
     assert means["engine"] <= max(means["hf"], 1e-6), means
+
+
+def test_kept_state_is_reused_and_decodes_with_the_updated_weights():
+    """keep_state: the second call reuses the cache (no new allocation), and after an optimizer step
+    it generates what a fresh engine generates with the new weights; another slot count, other
+    sampling settings or a reallocated FP8 weight cache rebuild the state."""
+    model = quantize_model(build_tiny_qwen3(tokenizer()), train="fp8", rollout="fp8").eval()
+    config = _config(max_new_tokens=6, do_sample=True, temperature=1.0)
+    kept = DecodeEngine(model, keep_state=True)
+
+    def run(engine, cfg=config):
+        with precision_phase("rollout"):
+            return engine.generate(PROMPTS, cfg, eos_token_ids=[-1], seed=7)
+
+    first = run(kept)
+    cache = kept._kept.cache
+    assert not kept.last_stats["reused_state"] and cache.max_len % DecodeEngine.KEEP_LENGTH_MULTIPLE == 0
+    assert run(kept) == first and kept.last_stats["reused_state"] and kept._kept.cache is cache
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    with precision_phase("train"):
+        model(input_ids=torch.tensor([PROMPTS[0]])).logits.float().pow(2).mean().backward()
+    opt.step()
+    after = run(kept)
+    assert kept.last_stats["reused_state"] and after == run(DecodeEngine(model)) and after[0] != first[0]
+    run(kept, _config(max_new_tokens=6, do_sample=True, temperature=0.7))
+    assert not kept.last_stats["reused_state"]
+    model.model.layers[0].self_attn.q_proj.set_recipes(rollout="fp8")  # a new, reallocated weight cache
+    run(kept, _config(max_new_tokens=6, do_sample=True, temperature=0.7))
+    assert not kept.last_stats["reused_state"]
+    kept.release_state()
+    assert kept._kept is None
+
+
+def test_backend_keeps_one_engine_only_when_asked():
+    model = build_tiny_qwen3(tokenizer()).eval()
+    backend = _backend()
+    backend.generate(model, PROMPTS, _config(do_sample=True))
+    assert backend._engine is None and backend.last_stats["reused_state"] is False
+    backend.keep_state = True
+    for _ in range(2):
+        backend.generate(model, PROMPTS, _config(do_sample=True))
+    assert backend._engine is not None and backend.last_stats["reused_state"]
+    other = build_tiny_qwen3(tokenizer()).eval()
+    backend.generate(other, PROMPTS, _config(do_sample=True))
+    assert backend._engine.view.model is other and not backend.last_stats["reused_state"]
+
+
+def test_keep_engine_state_needs_the_engine(tmp_path):
+    from _trainer_utils import make_args
+
+    with pytest.raises(ValueError, match="rollout_keep_engine_state=True"):
+        make_args(tmp_path, rollout_backend="hf", rollout_keep_engine_state=True)
+    assert make_args(tmp_path, rollout_backend="engine", rollout_keep_engine_state=True).rollout_keep_engine_state
+
+
+def test_trainer_keeps_the_engine_state_between_rollouts(tmp_path):
+    trainer = make_trainer(tmp_path, train_precision="fp8", rollout_precision="fp8", rollout_backend="engine",
+                           rollout_keep_engine_state=True, max_steps=2)  # fmt: skip
+    train(trainer)
+    assert trainer.rollout_backend._engine is not None and trainer.rollout_backend.last_stats["reused_state"]
+    logged = [log["rollout/engine_reused_state"] for log in trainer.state.log_history if "rollout/engine_reused_state" in log]
+    assert logged == [0.0, 1.0]  # the second step's rollout ran on the first one's cache

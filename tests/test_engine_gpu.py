@@ -172,3 +172,30 @@ def test_a_graph_replayed_after_an_optimizer_step_sees_the_new_weights():
         graph.replay()
     assert not torch.equal(before, eager)
     assert torch.equal(static, eager)
+
+
+def test_kept_graphs_replay_the_weights_of_each_step():
+    """keep_state on CUDA: the second rollout, after an optimizer step, replays the first one's
+    graphs (no capture) and generates exactly what a fresh engine generates with the new weights."""
+    _graphs_or_skip()
+    tok = tokenizer()
+    model = quantize_model(build_tiny_qwen3(tok).cuda().eval(), train="fp8", rollout="fp8")
+    config = GenerationConfig(max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=[-1])
+    kept = DecodeEngine(model, cuda_graphs=True, keep_state=True)
+
+    def run(engine):
+        with precision_phase("rollout"):
+            return engine.generate(PROMPTS, config, eos_token_ids=[-1], seed=0, pad_token_id=0)
+
+    first = run(kept)
+    assert kept.last_stats["graphs_captured"] >= 1 and kept.last_stats["capture_seconds"] > 0
+    opt = torch.optim.AdamW(model.parameters(), lr=5e-2, fused=True)  # no _version bump: the step hook refreshes
+    with precision_phase("train"):
+        model(input_ids=torch.tensor([PROMPTS[0]], device="cuda")).logits.float().pow(2).mean().backward()
+    opt.step()
+    after = run(kept)
+    assert kept.last_stats["reused_state"] and kept.last_stats["capture_seconds"] == 0.0
+    fresh = run(DecodeEngine(model, cuda_graphs=True))
+    assert after[0] == fresh[0] and after[0] != first[0]
+    for a, b in zip(after[1], fresh[1]):
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-3, rtol=0)

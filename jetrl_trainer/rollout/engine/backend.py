@@ -13,8 +13,8 @@ from jetrl_trainer._choices import KV_CACHE_DTYPES, check_choice
 
 from ..base import Rollout, RolloutBackend
 from ..hf_generate import HFGenerateBackend
-from .architecture import unsupported_model_reason
-from .engine import DecodeEngine
+from .architecture import _base_model, unsupported_model_reason
+from .engine import DecodeEngine, _module_ids
 from .sampling import unsupported_generation_reason
 
 __all__ = ["EngineBackend"]
@@ -29,7 +29,10 @@ class EngineBackend(RolloutBackend):
     ``kv_cache_tokens`` bounds the KV cache: at most ``kv_cache_tokens // (longest prompt +
     max_new_tokens)`` sequences decode at once (the rest wait for a slot); ``None`` = all of them.
     ``kv_cache_dtype="fp8"`` stores the cache in FP8 (see :class:`~.kv_cache.KVCache`).
-    Each call draws its sampling seed from torch's global RNG, so ``set_seed`` reproduces rollouts.
+    ``keep_state=True`` keeps one engine with its KV cache and CUDA graphs between calls
+    (:class:`~.engine.DecodeEngine`), so rollouts after the first skip the graph captures; the memory
+    stays held through training. Each call draws its sampling seed from torch's global RNG, so
+    ``set_seed`` reproduces rollouts.
     """
 
     name = "engine"
@@ -37,6 +40,7 @@ class EngineBackend(RolloutBackend):
     def __init__(
         self, *, eos_token_ids: Sequence[int], pad_token_id: int, fallback: HFGenerateBackend,
         kv_cache_tokens: int | None = None, kv_cache_dtype: str = "auto", requested: str = "engine",
+        keep_state: bool = False,
     ) -> None:  # fmt: skip
         self.requested = requested  # "auto": a fallback is the expected path for other models, said at INFO
         self.eos_token_ids = list(eos_token_ids)
@@ -45,6 +49,9 @@ class EngineBackend(RolloutBackend):
         self.kv_cache_tokens = kv_cache_tokens
         self.kv_cache_dtype = check_choice("kv_cache_dtype", kv_cache_dtype, KV_CACHE_DTYPES)
         self._reasons: set[str] = set()
+        self.keep_state = keep_state
+        self._engine: DecodeEngine | None = None  # kept between calls with keep_state
+        self.last_stats: dict = {}  # DecodeEngine.last_stats of the last engine call
 
     def generate(self, model: nn.Module, prompt_ids: Sequence[Sequence[int]], sampling: GenerationConfig) -> Rollout:
         reason = unsupported_model_reason(model) or unsupported_generation_reason(sampling)
@@ -54,14 +61,28 @@ class EngineBackend(RolloutBackend):
                 level = logging.WARNING if self.requested == "engine" else logging.INFO
                 logger.log(level, "jetrl: rollout_backend=%r falls back to 'hf': %s", self.requested, reason)
             return self.fallback.generate(model, prompt_ids, sampling)
-        engine = DecodeEngine(
-            model, max_batch_size=self._max_batch_size(prompt_ids, sampling), kv_cache_dtype=self.kv_cache_dtype
-        )
+        engine = self._engine_for(model, self._max_batch_size(prompt_ids, sampling))
         seed = int(torch.randint(0, 2**62, ()).item())
         ids, logprobs = engine.generate(
             prompt_ids, sampling, eos_token_ids=self.eos_token_ids, seed=seed, pad_token_id=self.pad_token_id
         )
+        self.last_stats = engine.last_stats
         return Rollout(ids, logprobs)
+
+    def _engine_for(self, model: nn.Module, max_batch_size: int | None) -> DecodeEngine:
+        kept = self._engine
+        if kept is not None and kept.view.model is _base_model(model) and kept.modules == _module_ids(model):
+            kept.max_batch_size = max_batch_size  # another slot count rebuilds the kept state itself
+            return kept
+        engine = DecodeEngine(model, max_batch_size=max_batch_size, kv_cache_dtype=self.kv_cache_dtype,
+                              keep_state=self.keep_state)  # fmt: skip
+        self._engine = engine if self.keep_state else None
+        return engine
+
+    def release_state(self) -> None:
+        """Free the kept engine's KV cache and CUDA graphs (``keep_state``)."""
+        if self._engine is not None:
+            self._engine.release_state()
 
     def _max_batch_size(self, prompt_ids: Sequence[Sequence[int]], sampling: GenerationConfig) -> int | None:
         if self.kv_cache_tokens is None:

@@ -15,12 +15,14 @@ On CUDA with Triton, decode attention is the split-KV kernel (`kernels/triton_de
 reading each row's live KV in place) and the decode step (the layers, the LM head and sampling) is
 captured in a CUDA graph per batch-size bucket: the live batch runs in the smallest bucket that
 holds it, padded with a scratch slot. Elsewhere the step runs eagerly with SDPA over the live KV.
-Graphs and cache live for one `generate` call, so the FP8 weights they captured are the ones the
-training forward uses at that optimizer step.
+Graphs and cache live for one `generate` call (or, with ``keep_state``, until a call needs other
+ones), and read the FP8 weights in place, so they decode with the weights the training forward uses
+at that optimizer step.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -79,14 +81,49 @@ class _HostCopies:
         return host
 
 
+@dataclass
+class _KeptState:
+    """What ``keep_state`` carries from one ``generate`` call to the next."""
+
+    cache: KVCache
+    graphs: DecodeGraphs | None
+    sampler: TokenSampler
+    key: tuple  # (slots, sampling settings): a call with another key rebuilds
+    read: tuple[int, ...]  # data pointers of every tensor the graphs read in place (weights, FP8 caches)
+
+
+def _module_ids(model: nn.Module) -> tuple[int, ...]:
+    """Identity of a model's module tree: a swapped module (fused, merged, re-wrapped) changes it."""
+    return tuple(id(m) for m in model.modules())
+
+
+def _sampling_key(config: GenerationConfig) -> tuple:
+    return (config.do_sample, config.temperature, config.top_k, config.top_p, config.min_p)
+
+
 class DecodeEngine:
-    """Generates completions and their sampling log-probs with a model's own modules."""
+    """Generates completions and their sampling log-probs with a model's own modules.
+
+    ``keep_state=True`` keeps the KV cache and the captured CUDA graphs after a call, so the next
+    call with the same number of slots and sampling settings reuses them instead of capturing again
+    (the cache is sized up to a multiple of ``KEEP_LENGTH_MULTIPLE`` so that small changes in the
+    longest prompt fit). The graphs read the weights in place, and the FP8 weight caches refresh in
+    place after an optimizer step (the prefill refreshes them before any replay), so a reused graph
+    decodes with the current weights; if any tensor they read was reallocated instead (a recipe
+    changed, a module swapped), the state is rebuilt. The price is that memory (cache and graph
+    pool) held between rollouts: :meth:`release_state` frees it.
+    """
+
+    KEEP_LENGTH_MULTIPLE = 128
 
     def __init__(
         self, model: nn.Module, *, max_batch_size: int | None = None, cuda_graphs: bool | None = None,
-        kv_cache_dtype: str = "auto",
+        kv_cache_dtype: str = "auto", keep_state: bool = False,
     ) -> None:  # fmt: skip
         self.view = DecoderView.from_model(model)
+        self.modules = _module_ids(model)  # the module tree the view was read from
+        self.keep_state = keep_state
+        self._kept: _KeptState | None = None
         self.max_batch_size = max_batch_size
         self.kv_fp8 = check_choice("kv_cache_dtype", kv_cache_dtype, KV_CACHE_DTYPES) == "fp8"
         self.cuda_graphs = cuda_graphs_available(self.view.device) if cuda_graphs is None else cuda_graphs
@@ -97,6 +134,9 @@ class DecodeEngine:
         # q/k/v and gate/up as one FP8 decode launch each in the kernel path (projections.py); False
         # calls the modules one by one (benchmarks).
         self.grouped_projections = True
+        # The last generate call: wall seconds, the host's prefill seconds, the seconds spent capturing
+        # CUDA graphs, how many were captured, and how often the running batch changed.
+        self.last_stats: dict = {}
 
     @torch.no_grad()
     def generate(
@@ -111,22 +151,36 @@ class DecodeEngine:
         reason = unsupported_generation_reason(config)
         if reason is not None:
             raise ValueError(f"the decode engine cannot honour this GenerationConfig: {reason}.")
+        started_at = time.perf_counter()
         distinct: dict[tuple[int, ...], int] = {}
         seqs = [_Sequence(i, distinct.setdefault(tuple(p), len(distinct))) for i, p in enumerate(prompt_ids)]
         prompts = list(distinct)
         store_k, store_v, first_logits = self.prefill(prompts, pad_token_id)
+        prefilled_at = time.perf_counter()  # the host's side: the GPU may still be prefilling
         slots = min(len(seqs), self.max_batch_size or len(seqs))
         v = self.view
-        cache = KVCache(
-            num_layers=len(v.layers), num_slots=slots + self.cuda_graphs,  # + the graphs' scratch slot
-            max_len=max(map(len, prompts)) + config.max_new_tokens, num_kv_heads=v.num_kv_heads,
-            head_dim=v.head_dim, dtype=v.dtype, device=v.device, fp8=self.kv_fp8,
-        )  # fmt: skip
-        # Encode (FP8: quantize) each distinct prompt's KV once per layer, not once per generation.
-        encoded = [(cache.encode(k), cache.encode(val)) for k, val in zip(store_k, store_v)]
+        max_len = max(map(len, prompts)) + config.max_new_tokens
+        key = (slots, _sampling_key(config))
+        kept = self._reusable(key, max_len)
+        if kept is not None:
+            cache, graphs, sampler = kept.cache, kept.graphs, kept.sampler
+            cache.lengths.zero_()
+        else:
+            if self.keep_state:
+                max_len = -(-max_len // self.KEEP_LENGTH_MULTIPLE) * self.KEEP_LENGTH_MULTIPLE
+            cache = KVCache(
+                num_layers=len(v.layers), num_slots=slots + self.cuda_graphs,  # + the graphs' scratch slot
+                max_len=max_len, num_kv_heads=v.num_kv_heads,
+                head_dim=v.head_dim, dtype=v.dtype, device=v.device, fp8=self.kv_fp8,
+            )  # fmt: skip
+            sampler = TokenSampler(config)
+            graphs = DecodeGraphs(self, cache, sampler, max_rows=slots) if self.cuda_graphs else None
+        captured_before = graphs.capture_seconds if graphs is not None else 0.0
+        # Encode (FP8: quantize) each distinct prompt's KV once, not once per generation; all layers
+        # stacked, so a sequence's start is one copy per tensor (KVCache.store_encoded).
+        encoded_k, encoded_v = cache.encode(torch.stack(store_k)), cache.encode(torch.stack(store_v))
         del store_k, store_v
-        sampler, eos = TokenSampler(config), set(eos_token_ids)
-        graphs = DecodeGraphs(self, cache, sampler, max_rows=slots) if self.cuda_graphs else None
+        eos = set(eos_token_ids)
         seed_hash = mix32(torch.tensor(seed & M32, dtype=torch.int64))
         row_seed = {s.index: int(mix32(seed_hash ^ s.index)) for s in seqs}
         pending, running, free = deque(seqs), {}, list(range(slots - 1, -1, -1))
@@ -159,16 +213,19 @@ class DecodeEngine:
             return finished
 
         to_host = _HostCopies(slots, v.device)
+        batch_changes = -1  # the first batch is not a change
         while pending or running:
             started = []
             while free and pending:
                 slot, s = free.pop(), pending.popleft()
-                n = len(prompts[s.prompt])
-                for layer, (k_enc, v_enc) in enumerate(encoded):
-                    cache.store_encoded(layer, slot, k_enc, v_enc, row=s.prompt, length=n)
-                cache.lengths[slot] = n
                 running[slot] = s
                 started.append((slot, s))
+            by_prompt: dict[int, list[int]] = {}
+            for slot, s in started:
+                by_prompt.setdefault(s.prompt, []).append(slot)
+            for prompt, prompt_slots in by_prompt.items():
+                slot_index = torch.tensor(prompt_slots, device=v.device)
+                cache.store_encoded(slot_index, encoded_k, encoded_v, row=prompt, length=len(prompts[prompt]))
             if started:  # first token from the prefill logits of each one's prompt
                 logits = first_logits[torch.tensor([s.prompt for _, s in started], device=v.device)]
                 record(started, to_host.wait(to_host.start(*sampler.sample(logits, *step_inputs(started)[2:]))))
@@ -179,6 +236,7 @@ class DecodeEngine:
             # a row finishes, the step already queued is drained (its other rows' tokens count) and
             # the batch is rebuilt with the freed slots refilled.
             batch = sorted(running.items())
+            batch_changes += 1
             slots_t, last, seeds, steps = step_inputs(batch)
             out = launch(slots_t, last, seeds, steps)
             while True:
@@ -192,7 +250,38 @@ class DecodeEngine:
                     record(batch, to_host.wait(to_host.start(*ahead)))
                     break
                 out = ahead
+        if self.keep_state:
+            self._kept = _KeptState(cache, graphs, sampler, key, self._read_in_place())
+        self.last_stats = dict(
+            seconds=time.perf_counter() - started_at, prefill_host_seconds=prefilled_at - started_at,
+            capture_seconds=(graphs.capture_seconds - captured_before) if graphs is not None else 0.0,
+            graphs_captured=len(graphs.buckets) if graphs is not None else 0, batch_changes=batch_changes,
+            reused_state=kept is not None,
+        )  # fmt: skip
         return [s.tokens for s in seqs], [s.logprobs for s in seqs]
+
+    def release_state(self) -> None:
+        """Free what ``keep_state`` kept (the KV cache and the CUDA graphs)."""
+        self._kept = None
+
+    def _reusable(self, key: tuple, max_len: int) -> _KeptState | None:
+        """The kept state if this call can run on it (called after the prefill, which refreshed the
+        FP8 weight caches), else None, with the old state freed before a new one is allocated."""
+        kept, self._kept = self._kept, None
+        if kept is None or not self.keep_state:
+            return None
+        if kept.key != key or kept.cache.max_len < max_len or kept.read != self._read_in_place():
+            return None
+        return kept
+
+    def _read_in_place(self) -> tuple[int, ...]:
+        from jetrl_trainer.quant.linear import QuantLinear
+
+        pointers = [p.data_ptr() for p in self.view.model.parameters()]
+        for module in self.view.model.modules():
+            if isinstance(module, QuantLinear):
+                pointers += [t.data_ptr() for t in module.cached_weight_tensors()]
+        return tuple(pointers)
 
     def prefill(self, prompts: list[tuple[int, ...]], pad_token_id: int) -> tuple[list[Tensor], list[Tensor], Tensor]:
         """Keys/values per layer ``(N, H_kv, P, D)`` of the left-padded distinct prompts, and the

@@ -12,6 +12,7 @@ Inputs are copied into the bucket's static tensors, outputs read from its static
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -57,6 +58,7 @@ class DecodeGraphs:
         self.sizes = _buckets(max_rows)
         self.buckets: dict[int, _Bucket] = {}
         self.pool = torch.cuda.graph_pool_handle()
+        self.capture_seconds = 0.0  # host time in _capture (warm-up step, capture, instantiation)
 
     def _run(self, b: _Bucket) -> tuple[Tensor, Tensor]:
         self.cache.lengths[self.scratch :].zero_()  # a device fill: no host copy inside the capture
@@ -83,7 +85,9 @@ class DecodeGraphs:
         rows = next(size for size in self.sizes if size >= n)
         b = self.buckets.get(rows)
         if b is None:
+            began = time.perf_counter()
             b = self.buckets[rows] = self._capture(rows)
+            self.capture_seconds += time.perf_counter() - began
         b.slots.fill_(self.scratch)
         b.slots[:n], b.tokens[:n], b.seeds[:n], b.steps[:n] = slots, tokens, seeds, steps
         b.graph.replay()

@@ -68,13 +68,19 @@ class KVCache:
         self._put((layer, slot, slice(None), slice(0, k.shape[1])), k, v)
 
     def store_encoded(
-        self, layer: int, slot: int, k: tuple[Tensor, Tensor | None], v: tuple[Tensor, Tensor | None], *, row: int,
+        self, slots: Tensor, k: tuple[Tensor, Tensor | None], v: tuple[Tensor, Tensor | None], *, row: int,
         length: int,
     ) -> None:  # fmt: skip
-        """:meth:`store_prompt` of the last ``length`` positions of ``row`` of left-padded prompts
-        ``(N, kv_heads, P, head_dim)`` already in the cache format (:meth:`encode`)."""
-        picked = [tuple(t[row, :, -length:] if t is not None else None for t in x) for x in (k, v)]
-        self._write((layer, slot, slice(None), slice(0, length)), *picked)
+        """Start ``slots`` (a 1-D index) with one prompt: the last ``length`` positions of ``row`` of the
+        left-padded prompts' keys/values ``(layers, N, kv_heads, P, head_dim)``, already in the cache
+        format (:meth:`encode`), for every layer at once; their lengths become ``length``.
+
+        One copy per tensor whatever the number of layers and slots (GRPO starts the generations of
+        a prompt together): a slot at a time and a layer at a time was 72 launches per sequence on
+        a 36-layer model."""
+        picked = [tuple(t[:, row, None, :, -length:] if t is not None else None for t in x) for x in (k, v)]
+        self._write((slice(None), slots, slice(None), slice(0, length)), *picked)
+        self.lengths[slots] = length
 
     def append(self, layer: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
         """Write one new token per row (``k``, ``v``: ``(B, kv_heads, head_dim)``) at ``lengths[slots]``."""
