@@ -111,9 +111,12 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--min-groups", type=int, default=None, help="the decode kernel's MIN_GROUPS_PER_SPLIT")
     ap.add_argument("--shapes", default=",".join(SHAPES), help="comma list of " + ", ".join(SHAPES))
+    ap.add_argument("--max-block-m", type=int, default=None, help="the decode kernel's MAX_BLOCK_M (M tile bound)")
     args = ap.parse_args()
     if args.min_groups:
         dg.LAUNCH["MIN_GROUPS_PER_SPLIT"] = args.min_groups
+    if args.max_block_m:
+        dg.LAUNCH["MAX_BLOCK_M"] = args.max_block_m
     for name in set(SHAPES) - set(args.shapes.split(",")):
         del SHAPES[name]
     ms = [int(v) for v in args.m.split(",")]

@@ -59,7 +59,8 @@ DECODE_MAX_M = 64
 # took the k/v projections (1024 x 4096) from 16 splits of 2 groups to 8 of 4: 7.2 -> 5.0 us at
 # M = 16 and 8.7 -> 6.1 us at M = 64 on 2026-12-02; fewer, longer programs (one per SM) were
 # slower on the 4096 x 12288 down projection (22.9 -> 31.0 us at M = 64), so WAVES stays 2.
-LAUNCH = dict(BLOCK_N=64, WAVES=2, MIN_GROUPS_PER_SPLIT=4, SWAP_BELOW_M=64, num_warps=4, num_stages=3)
+# MAX_BLOCK_M bounds the M tile (a benchmark knob for M > 64, where DECODE_MAX_M sends QuantLinear elsewhere).
+LAUNCH = dict(BLOCK_N=64, WAVES=2, MIN_GROUPS_PER_SPLIT=4, SWAP_BELOW_M=64, num_warps=4, num_stages=3, MAX_BLOCK_M=64)
 # Up to this M a QuantLinear quantizes the activation in the GEMM's prologue. 0: never. Every N tile
 # re-quantizes its K slice, so on the H200 the prologue was slower than one act-quant launch plus
 # the prequantized GEMM at every decode M measured (1 to 64, Qwen3-8B shapes); it stays available
@@ -72,7 +73,7 @@ def plan(m: int, n: int | Sequence[int], k: int, sms: int, launch: Optional[dict
     """Tile sizes and K split for an ``[M, K] x [N, K]ᵀ`` GEMM on a GPU with ``sms`` SMs; ``n`` a
     sequence of widths for a grouped launch (each weight its own N tiles)."""
     launch = {**LAUNCH, **(launch or {})}
-    block_m = max(16, min(64, 1 << (max(m, 1) - 1).bit_length()))  # one M tile up to 64 rows
+    block_m = max(16, min(launch["MAX_BLOCK_M"], 1 << (max(m, 1) - 1).bit_length()))  # one M tile up to 64 rows
     block_n = launch["BLOCK_N"]
     widths = [n] if isinstance(n, int) else list(n)
     tiles = sum(cdiv(w, block_n) for w in widths) * cdiv(m, block_m)
