@@ -40,6 +40,10 @@ SHAPES = {  # name: (N, K) of Qwen3-8B (hidden 4096, 32/8 heads of 128, intermed
 }
 
 
+# The engine's grouped launches (engine/projections.py): q/k/v and gate/up of Qwen3-8B, widths and K.
+GROUPED = {"q/k/v": ((4096, 1024, 1024), 4096), "gate/up pair": ((12288, 12288), 4096)}
+
+
 def _general(x, w_q, w_s):
     return fp8_gemm_nt(act_quant_fp8(x), (w_q, w_s), b_granularity="block", out_dtype=x.dtype)
 
@@ -50,23 +54,28 @@ def _rollout(x, w_q, w_s):
     return y if y is not None else _general(x, w_q, w_s)
 
 
+def _time_into(row: dict, m: int, n: int, k: int, gbs: float, cases) -> None:
+    """``row[name_us]`` and ``row[name_bw_frac]`` for each ``(name, fn, weight bytes)`` (graph replays)."""
+    for name, fn, wbytes in cases:
+        ms = bench_graph_ms(fn)
+        moved = wbytes + 2 * m * k + 2 * m * n
+        row[f"{name}_us"] = round(ms * 1e3, 2)
+        row[f"{name}_bw_frac"] = round(moved / (ms * 1e-3) / 1e9 / gbs, 3)
+
+
 def measure(m: int, n: int, k: int, gbs: float) -> dict:
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
     w_q, w_s = weight_quant_fp8(w)
     x_q, x_s = act_quant_fp8(x)
     row = dict(m=m, n=n, k=k)
-    for name, fn, wbytes in (
+    _time_into(row, m, n, k, gbs, (
         ("bf16", lambda: F.linear(x, w), 2 * n * k),
         ("fp8_general", lambda: _general(x, w_q, w_s), n * k),
         ("fp8_decode", lambda: dg.fp8_decode_linear(x, w_q, w_s), n * k),
         ("fp8_decode_prequant", lambda: dg.fp8_decode_gemm_nt(x_q, x_s, w_q, w_s), n * k),
         ("fp8_rollout", lambda: _rollout(x, w_q, w_s), n * k),
-    ):
-        ms = bench_graph_ms(fn)
-        moved = wbytes + 2 * m * k + 2 * m * n
-        row[f"{name}_us"] = round(ms * 1e3, 2)
-        row[f"{name}_bw_frac"] = round(moved / (ms * 1e-3) / 1e9 / gbs, 3)
+    ))
     row["decode_over_bf16"] = round(row["bf16_us"] / row["fp8_decode_us"], 2)
     row["decode_over_general"] = round(row["fp8_general_us"] / row["fp8_decode_us"], 2)
     row["prequant_over_bf16"] = round(row["bf16_us"] / row["fp8_decode_prequant_us"], 2)
@@ -74,21 +83,50 @@ def measure(m: int, n: int, k: int, gbs: float) -> dict:
     return row
 
 
-def sweep(ms: list[int], gbs: float) -> list[dict]:
+def measure_grouped(m: int, widths: tuple[int, ...], k: int, gbs: float) -> dict:
+    """One grouped launch against the same projections as BF16 ``F.linear``s and as separate decode calls."""
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for n in widths]
+    wq = [weight_quant_fp8(w) for w in ws]
+    x_q, x_s = act_quant_fp8(x)
+    n = sum(widths)
+    row = dict(m=m, widths=list(widths), k=k)
+    _time_into(row, m, n, k, gbs, (
+        ("bf16", lambda: [F.linear(x, w) for w in ws], 2 * n * k),
+        ("fp8_separate_prequant", lambda: [dg.fp8_decode_gemm_nt(x_q, x_s, *w) for w in wq], n * k),
+        ("fp8_grouped", lambda: dg.fp8_decode_gemm_grouped(x_q, x_s, wq), n * k),
+    ))
+    row["grouped_over_bf16"] = round(row["bf16_us"] / row["fp8_grouped_us"], 2)
+    row["grouped_over_separate"] = round(row["fp8_separate_prequant_us"] / row["fp8_grouped_us"], 2)
+    return row
+
+
+def sweep(ms: list[int], gbs: float, grouped: bool = False) -> list[dict]:
     """Best decode-kernel launch per (shape, M) over a small grid of launch parameters (prequantized
-    activation, as the engine's fused producers hand it over)."""
+    activation, as the engine's fused producers hand it over); ``grouped``: the engine's grouped
+    q/k/v and gate/up launches and the o / down projections, the launches of a decode step."""
     base = dict(dg.LAUNCH)
     keys = ("BLOCK_N", "WAVES", "SWAP_BELOW_M", "num_warps", "num_stages", "MIN_GROUPS_PER_SPLIT")
     grid = list(itertools.product((64, 128), (1, 2, 4), (0, 128), (4,), (3, 4), (1, 4)))
+    if grouped:  # always swapped (the shipped choice below 64 rows); split lengths around the shipped 4
+        grid = list(itertools.product((64, 128), (1, 2, 4), (128,), (4,), (3, 4), (2, 4, 8)))
+    cases = {name: ((n,), k) for name, (n, k) in SHAPES.items()}
+    if grouped:
+        cases = {**GROUPED, "q/o": ((4096,), 4096), "down": ((4096,), 12288)}
     best = []
-    for (name, (n, k)), m in itertools.product(SHAPES.items(), ms):
+    for (name, (widths, k)), m in itertools.product(cases.items(), ms):
+        n = sum(widths)
         x_q, x_s = act_quant_fp8(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
-        w_q, w_s = weight_quant_fp8(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02)
+        wq = [weight_quant_fp8(torch.randn(w, k, device="cuda", dtype=torch.bfloat16) * 0.02) for w in widths]
+        if len(wq) > 1:
+            call = lambda: dg.fp8_decode_gemm_grouped(x_q, x_s, wq)  # noqa: E731
+        else:
+            call = lambda: dg.fp8_decode_gemm_nt(x_q, x_s, *wq[0])  # noqa: E731
         results = []
         for values in grid:
             dg.LAUNCH.update(zip(keys, values))
             try:
-                us = bench_graph_ms(lambda: dg.fp8_decode_gemm_nt(x_q, x_s, w_q, w_s)) * 1e3
+                us = bench_graph_ms(call) * 1e3
             except Exception as exc:  # a launch the GPU cannot run (shared memory): skip it
                 results.append((float("inf"), values, type(exc).__name__))
                 continue
@@ -112,6 +150,9 @@ def main() -> None:
     ap.add_argument("--min-groups", type=int, default=None, help="the decode kernel's MIN_GROUPS_PER_SPLIT")
     ap.add_argument("--shapes", default=",".join(SHAPES), help="comma list of " + ", ".join(SHAPES))
     ap.add_argument("--max-block-m", type=int, default=None, help="the decode kernel's MAX_BLOCK_M (M tile bound)")
+    ap.add_argument("--grouped", action="store_true",
+                    help="only the engine's grouped launches (q/k/v, gate/up) against BF16 and separate calls; "
+                         "with --sweep, sweep those and the o / down projections")  # fmt: skip
     args = ap.parse_args()
     if args.min_groups:
         dg.LAUNCH["MIN_GROUPS_PER_SPLIT"] = args.min_groups
@@ -122,12 +163,17 @@ def main() -> None:
     ms = [int(v) for v in args.m.split(",")]
     gbs = copy_bandwidth_gbs()
     rows = []
-    for (name, (n, k)), m in itertools.product(SHAPES.items(), ms):
-        rows.append(dict(shape=name, **measure(m, n, k, gbs)))
-        print(rows[-1], flush=True)
+    if args.grouped:
+        for (name, (widths, k)), m in itertools.product(GROUPED.items(), ms):
+            rows.append(dict(shape=name, **measure_grouped(m, widths, k, gbs)))
+            print(rows[-1], flush=True)
+    else:
+        for (name, (n, k)), m in itertools.product(SHAPES.items(), ms):
+            rows.append(dict(shape=name, **measure(m, n, k, gbs)))
+            print(rows[-1], flush=True)
     result = dict(benchmark="decode_gemm", env=environment(), copy_gbs=round(gbs, 1), launch=dict(dg.LAUNCH), rows=rows)
     if args.sweep:
-        result["sweep"] = sweep([m for m in (16, 64) if m in ms], gbs)
+        result["sweep"] = sweep([m for m in (16, 64) if m in ms], gbs, grouped=args.grouped)
     dump(result)
 
 

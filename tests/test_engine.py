@@ -385,6 +385,8 @@ def test_backend_keeps_one_engine_only_when_asked():
     other = build_tiny_qwen3(tokenizer()).eval()
     backend.generate(other, PROMPTS, _config(do_sample=True))
     assert backend._engine.view.model is other and not backend.last_stats["reused_state"]
+    backend.generate(other, PROMPTS, _config(do_sample=True, repetition_penalty=1.3))  # falls back to hf
+    assert backend.last_stats == {}
 
 
 def test_keep_engine_state_needs_the_engine(tmp_path):

@@ -60,6 +60,7 @@ class EngineBackend(RolloutBackend):
                 self._reasons.add(reason)
                 level = logging.WARNING if self.requested == "engine" else logging.INFO
                 logger.log(level, "jetrl: rollout_backend=%r falls back to 'hf': %s", self.requested, reason)
+            self.last_stats = {}  # this rollout did not run the engine
             return self.fallback.generate(model, prompt_ids, sampling)
         engine = self._engine_for(model, self._max_batch_size(prompt_ids, sampling))
         seed = int(torch.randint(0, 2**62, ()).item())
