@@ -9,6 +9,7 @@ The kernel runs when the tensor is on CUDA, ``kernels/triton_quant.py`` imported
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import ModuleType
 from typing import Optional
 
 import torch
@@ -17,7 +18,7 @@ from jetrl_trainer import kernels
 from jetrl_trainer.quant._handoff import take_prequantized
 from jetrl_trainer.quant.fp8 import dequantize_fp8_groups, quantize_fp8_blocks, quantize_fp8_groups
 
-__all__ = ["act_quant_fp8", "decode_linear_fp8", "requant_transpose_fp8", "transpose_fp8_blocks", "weight_quant_fp8"]
+__all__ = ["act_quant_fp8", "decode_gemm_module", "decode_linear_fp8", "requant_transpose_fp8", "transpose_fp8_blocks", "weight_quant_fp8"]
 
 Pair = tuple[torch.Tensor, torch.Tensor]
 
@@ -44,6 +45,17 @@ def act_quant_fp8(x2d: torch.Tensor, scale_format: str = "fp32") -> Pair:
     return quantize_fp8_groups(x2d.contiguous(), 128, scale_format=scale_format)
 
 
+def decode_gemm_module(x2d: torch.Tensor) -> Optional[ModuleType]:
+    """``kernels/triton_decode_gemm`` when it should run on the activation ``x2d [M, K]``: on CUDA
+    with the kernel, 1 <= M <= ``DECODE_MAX_M``, and no GEMM backend forced; else None."""
+    if not x2d.is_cuda or not kernels.triton_enabled() or kernels.gemm_backend_forced() is not None:
+        return None
+    module = kernels.optional_module("triton_decode_gemm")
+    if module is None or not 0 < x2d.shape[0] <= module.DECODE_MAX_M:
+        return None
+    return module
+
+
 def decode_linear_fp8(
     x2d: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, bias: Optional[torch.Tensor], scale_format: str,
     out_dtype: torch.dtype,
@@ -53,10 +65,8 @@ def decode_linear_fp8(
     kernel, for larger M, or when a GEMM backend is forced. The activation's quantization is the one
     a fused producer offered, else computed by the act-quant kernel or in the GEMM's prologue
     (M <= ``PROLOGUE_MAX_M``, off by default); all three give the same bits."""
-    if not x2d.is_cuda or not kernels.triton_enabled() or kernels.gemm_backend_forced() is not None:
-        return None
-    module = kernels.optional_module("triton_decode_gemm")
-    if module is None or x2d.shape[0] > module.DECODE_MAX_M or x2d.shape[0] == 0:
+    module = decode_gemm_module(x2d)
+    if module is None:
         return None
     prequantized = take_prequantized(x2d, scale_format)
     if prequantized is not None:

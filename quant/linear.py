@@ -100,7 +100,8 @@ def _fp8_forward(x2d, w_q, w_s, bias, scale_format: str, out_dtype: torch.dtype)
 
 
 class _FP8LinearFunction(torch.autograd.Function):
-    """FP8 linear with FP8 dgrad/wgrad; saves ``(X_q, X_s)`` and ``(W_q, W_sinv)``, never X."""
+    """FP8 linear with FP8 dgrad/wgrad; saves ``(X_q, X_s)`` and dgrad's weight, ``(W_qᵀ, W_sinvᵀ)``
+    when the transposed cache gave it, else ``(W_q, W_sinv)``; never X."""
 
     @staticmethod
     def forward(ctx, x2d, weight, bias, w_q, w_s, wt_q, wt_s, scale_format, out_dtype):
@@ -364,15 +365,20 @@ class QuantLinear(nn.Linear):
         """Every quantized-weight tensor cached for the forward (what a captured CUDA graph reads)."""
         return [t for _, tensors in self._weight_cache.values() for t in tensors]
 
-    def transposed_fp8_weight(self, recipe: FP8Recipe) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-        """DGrad's ``(W_qᵀ [K, N], s_invᵀ)``, cached per weight version like :meth:`quantized_weight`;
-        None where it is not cached (``cache_transposed_weight`` off, ZeRO-3, inside ``torch.compile``)."""
+    def transposed_fp8_weight(
+        self, recipe: FP8Recipe, weight: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+    ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """DGrad's ``(W_qᵀ [K, N], s_invᵀ)``, cached per weight version like :meth:`quantized_weight`
+        (``weight``: that method's result, when the caller has it); None where it is not cached
+        (``cache_transposed_weight`` off, ZeRO-3, inside ``torch.compile``)."""
         if not self.cache_transposed_weight or torch.compiler.is_compiling():
             return None
-        state = self._state_key()
-        if state is None or state[1] == "zero3":
+        if getattr(self.weight, "ds_id", None) is not None:  # ZeRO-3: see the module docstring
             return None
-        w_q, w_s = self.quantized_weight(recipe)
+        state = self._state_key()
+        if state is None:
+            return None
+        w_q, w_s = weight if weight is not None else self.quantized_weight(recipe)
         tensors, missed = _cached(self._transposed_cache, _weight_quant_key(recipe), state,
                                   lambda: transpose_fp8_blocks(w_q, w_s))  # fmt: skip
         self.weight_transposes += missed
@@ -402,7 +408,7 @@ class QuantLinear(nn.Linear):
         if isinstance(recipe, FP8Recipe):
             w_q, w_s = tensors
             if grad:
-                wt = self.transposed_fp8_weight(recipe) if x2d.requires_grad else None
+                wt = self.transposed_fp8_weight(recipe, tensors) if x2d.requires_grad else None
                 wt_q, wt_s = wt if wt is not None else (None, None)
                 return _FP8LinearFunction.apply(x2d, w, b, w_q, w_s, wt_q, wt_s, recipe.scale_format, out_dtype)
             # Decode-sized M (rollouts): the split-K decode GEMM (kernels/triton_decode_gemm.py).

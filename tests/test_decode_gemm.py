@@ -131,20 +131,26 @@ def test_prequantized_operand_gives_the_same_bits_and_bias_is_added_in_fp32(m, n
     assert relative_error(fused, _reference(x, w_q, w_s, bias)) < 4e-3  # one rounding to BF16, as the general path
 
 
+def _captured(fn):
+    """``fn`` warmed up on a side stream (Triton compiles), then captured: ``(graph, its output)``."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 @pytest.mark.gpu
 @CUDA
 def test_a_cuda_graph_replays_new_activations_and_refreshed_weights(launch):
     _need_kernel()
     x, w_q, w_s = _operands(16, 4096, 4096, torch.bfloat16, seed=2)
     static = x.clone()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        dg.fp8_decode_linear(static, w_q, w_s)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = dg.fp8_decode_linear(static, w_q, w_s)
+    graph, out = _captured(lambda: dg.fp8_decode_linear(static, w_q, w_s))
     x2, w_q2, w_s2 = _operands(16, 4096, 4096, torch.bfloat16, seed=3)
     static.copy_(x2)
     w_q.copy_(w_q2)
@@ -224,14 +230,7 @@ def test_grouped_launch_replays_in_a_cuda_graph():
     x_q, x_s = quantize_fp8_groups(torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16))
     weights = [tuple(t.contiguous() for t in quantize_fp8_blocks(torch.randn(n, 4096, device="cuda") * 0.05))
                for n in (4096, 1024, 1024)]  # fmt: skip
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        dg.fp8_decode_gemm_grouped(x_q, x_s, weights)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = dg.fp8_decode_gemm_grouped(x_q, x_s, weights)
+    graph, outs = _captured(lambda: dg.fp8_decode_gemm_grouped(x_q, x_s, weights))
     new_q, new_s = quantize_fp8_groups(torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16))
     x_q.copy_(new_q)
     x_s.copy_(new_s)

@@ -13,7 +13,7 @@ from jetrl_trainer._choices import KV_CACHE_DTYPES, check_choice
 
 from ..base import Rollout, RolloutBackend
 from ..hf_generate import HFGenerateBackend
-from .architecture import _base_model, unsupported_model_reason
+from .architecture import unsupported_model_reason
 from .engine import DecodeEngine, _module_ids
 from .sampling import unsupported_generation_reason
 
@@ -72,7 +72,7 @@ class EngineBackend(RolloutBackend):
 
     def _engine_for(self, model: nn.Module, max_batch_size: int | None) -> DecodeEngine:
         kept = self._engine
-        if kept is not None and kept.view.model is _base_model(model) and kept.modules == _module_ids(model):
+        if kept is not None and kept.modules == _module_ids(model):  # the same module tree, wrapper included
             kept.max_batch_size = max_batch_size  # another slot count rebuilds the kept state itself
             return kept
         engine = DecodeEngine(model, max_batch_size=max_batch_size, kv_cache_dtype=self.kv_cache_dtype,

@@ -20,9 +20,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from jetrl_trainer import kernels
-from jetrl_trainer.quant._dispatch import act_quant_fp8
-from jetrl_trainer.quant._handoff import take_prequantized
+from jetrl_trainer.quant._dispatch import act_quant_fp8, decode_gemm_module
 from jetrl_trainer.quant.linear import QuantLinear
 from jetrl_trainer.quant.phase import current_phase
 from jetrl_trainer.quant.recipe import FP8Recipe
@@ -51,16 +49,13 @@ class GroupedProjection:
         recipes = [m.recipes[phase] for m in self.modules]
         if not all(isinstance(r, FP8Recipe) for r in recipes) or len({r.scale_format for r in recipes}) != 1:
             return None
-        module = kernels.optional_module("triton_decode_gemm") if x.is_cuda and kernels.triton_enabled() else None
         x2d = x.reshape(-1, x.shape[-1])
-        if module is None or kernels.gemm_backend_forced() is not None or not 0 < x2d.shape[0] <= module.DECODE_MAX_M:
+        module = decode_gemm_module(x2d)
+        if module is None:
             return None
         if torch.is_grad_enabled() and (x.requires_grad or any(m.weight.requires_grad for m in self.modules)):
             return None  # a rollout runs without autograd; a training forward keeps its own path
-        fmt = recipes[0].scale_format
-        pair = take_prequantized(x2d, fmt)
-        if pair is None:
-            pair = act_quant_fp8(x2d, fmt)
+        pair = act_quant_fp8(x2d, recipes[0].scale_format)  # serves the fused RMSNorm's pair when offered
         weights = [m.quantized_weight(r) for m, r in zip(self.modules, recipes)]
         for r in recipes:
             record_gemm(phase, r.name)
