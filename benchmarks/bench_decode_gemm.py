@@ -101,15 +101,34 @@ def measure_grouped(m: int, widths: tuple[int, ...], k: int, gbs: float) -> dict
     return row
 
 
-def sweep(ms: list[int], gbs: float, grouped: bool = False) -> list[dict]:
+SWEEP_KEYS = ("BLOCK_N", "WAVES", "SWAP_BELOW_M", "num_warps", "num_stages", "MIN_GROUPS_PER_SPLIT")
+
+
+def parse_grid(text: str) -> dict[str, tuple[int, ...]]:
+    """``"BLOCK_N=128,256;num_warps=8"`` -> ``{"BLOCK_N": (128, 256), "num_warps": (8,)}``."""
+    grid = {}
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        key, _, values = part.partition("=")
+        if key not in SWEEP_KEYS or not values:
+            raise SystemExit(f"--sweep-grid: {part!r} is not KEY=V1,V2 with KEY one of {', '.join(SWEEP_KEYS)}")
+        grid[key] = tuple(int(v) for v in values.split(","))
+    return grid
+
+
+def sweep(ms: list[int], gbs: float, grouped: bool = False, grid_override: dict | None = None) -> list[dict]:
     """Best decode-kernel launch per (shape, M) over a small grid of launch parameters (prequantized
     activation, as the engine's fused producers hand it over); ``grouped``: the engine's grouped
-    q/k/v and gate/up launches and the o / down projections, the launches of a decode step."""
+    q/k/v and gate/up launches and the o / down projections, the launches of a decode step.
+    ``grid_override`` replaces the values swept for some keys (the others keep the default grid)."""
     base = dict(dg.LAUNCH)
-    keys = ("BLOCK_N", "WAVES", "SWAP_BELOW_M", "num_warps", "num_stages", "MIN_GROUPS_PER_SPLIT")
-    grid = list(itertools.product((64, 128), (1, 2, 4), (0, 128), (4,), (3, 4), (1, 4)))
+    keys = SWEEP_KEYS
+    axes = dict(zip(keys, ((64, 128), (1, 2, 4), (0, 128), (4,), (3, 4), (1, 4))))
     if grouped:  # always swapped (the shipped choice below 64 rows); split lengths around the shipped 4
-        grid = list(itertools.product((64, 128), (1, 2, 4), (128,), (4,), (3, 4), (2, 4, 8)))
+        axes = dict(zip(keys, ((64, 128), (1, 2, 4), (128,), (4,), (3, 4), (2, 4, 8))))
+    axes.update(grid_override or {})
+    grid = list(itertools.product(*(axes[k] for k in keys)))
+    grid.append(tuple(base[k] for k in keys))  # the shipped launch is always timed
+    grid = list(dict.fromkeys(grid))
     cases = {name: ((n,), k) for name, (n, k) in SHAPES.items()}
     if grouped:
         cases = {**GROUPED, "q/o": ((4096,), 4096), "down": ((4096,), 12288)}
@@ -143,6 +162,37 @@ def sweep(ms: list[int], gbs: float, grouped: bool = False) -> list[dict]:
     return best
 
 
+def measure_epilogue(m: int, n: int, k: int, warps: tuple[int, ...]) -> dict:
+    """The o / down projection and what follows it in a decode step: the GEMM with its split-K
+    reduction, the residual add and the next fused RMSNorm + quant (three launches, or four with the
+    reduction), against the GEMM's partial sums reduced inside one add + RMSNorm launch, per warp count."""
+    from jetrl_trainer.kernels import triton_norm
+
+    x_q, x_s = act_quant_fp8(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
+    w_q, w_s = weight_quant_fp8(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02)
+    h = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    norm_w = torch.ones(n, device="cuda", dtype=torch.bfloat16)
+
+    def separate():
+        y = dg.fp8_decode_gemm_nt(x_q, x_s, w_q, w_s)
+        return triton_norm.rmsnorm_quant_fp8(h + y, norm_w, 1e-6)
+
+    def fused():
+        return triton_norm.add_rmsnorm_quant_fp8(h, dg.fp8_decode_gemm_partials(x_q, x_s, w_q, w_s), norm_w, 1e-6)
+
+    row = dict(m=m, n=n, k=k, splits=dg.plan(m, n, k, torch.cuda.get_device_properties(0).multi_processor_count)["SPLITS"],
+               separate_us=round(bench_graph_ms(separate) * 1e3, 2), gemm_alone_us=round(bench_graph_ms(
+                   lambda: dg.fp8_decode_gemm_partials(x_q, x_s, w_q, w_s)) * 1e3, 2))  # fmt: skip
+    saved = triton_norm.ADD_NORM_WARPS
+    try:
+        for w in warps:
+            triton_norm.ADD_NORM_WARPS = w or None
+            row[f"fused_warps{w or 'default'}_us"] = round(bench_graph_ms(fused) * 1e3, 2)
+    finally:
+        triton_norm.ADD_NORM_WARPS = saved
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--m", default="1,16,32,64,128,256")
@@ -150,10 +200,27 @@ def main() -> None:
     ap.add_argument("--min-groups", type=int, default=None, help="the decode kernel's MIN_GROUPS_PER_SPLIT")
     ap.add_argument("--shapes", default=",".join(SHAPES), help="comma list of " + ", ".join(SHAPES))
     ap.add_argument("--max-block-m", type=int, default=None, help="the decode kernel's MAX_BLOCK_M (M tile bound)")
+    ap.add_argument("--sweep-grid", default="",
+                    help="with --sweep: values to sweep for some launch keys, e.g. 'BLOCK_N=128,256;num_warps=4,8' "
+                         "(keys: " + ", ".join(SWEEP_KEYS) + ")")  # fmt: skip
+    ap.add_argument("--sweep-m", default="16,64", help="with --sweep: the M values swept (of those in --m)")
     ap.add_argument("--grouped", action="store_true",
                     help="only the engine's grouped launches (q/k/v, gate/up) against BF16 and separate calls; "
                          "with --sweep, sweep those and the o / down projections")  # fmt: skip
+    ap.add_argument("--epilogue", action="store_true",
+                    help="only the o / down projections with their epilogue: separate launches against the "
+                         "split sums reduced in the fused residual add + RMSNorm, per warp count (--warps)")  # fmt: skip
+    ap.add_argument("--warps", default="0,4,16", help="with --epilogue: warp counts (0: the shipped default)")
     args = ap.parse_args()
+    if args.epilogue:
+        warps = tuple(int(w) for w in args.warps.split(","))
+        cases = {"o": (4096, 4096), "down": (4096, 12288)}
+        rows = [dict(shape=name, **measure_epilogue(m, n, k, warps))
+                for name, (n, k) in cases.items() for m in (int(v) for v in args.m.split(","))]  # fmt: skip
+        for row in rows:
+            print(row, flush=True)
+        dump(dict(benchmark="decode_epilogue", env=environment(), rows=rows))
+        return
     if args.min_groups:
         dg.LAUNCH["MIN_GROUPS_PER_SPLIT"] = args.min_groups
     if args.max_block_m:
@@ -173,7 +240,8 @@ def main() -> None:
             print(rows[-1], flush=True)
     result = dict(benchmark="decode_gemm", env=environment(), copy_gbs=round(gbs, 1), launch=dict(dg.LAUNCH), rows=rows)
     if args.sweep:
-        result["sweep"] = sweep([m for m in (16, 64) if m in ms], gbs, grouped=args.grouped)
+        sweep_ms = [int(v) for v in args.sweep_m.split(",") if int(v) in ms]
+        result["sweep"] = sweep(sweep_ms, gbs, grouped=args.grouped, grid_override=parse_grid(args.sweep_grid))
     dump(result)
 
 

@@ -118,7 +118,10 @@ VARIANTS = {
                    look_ahead=False),
     "unfused_qk": dict(attention={}, fuse_qk_norms=False, min_groups_per_split=None),
     "no_look_ahead": dict(attention={}, fuse_qk_norms=True, min_groups_per_split=None, look_ahead=False),
-    "ungrouped": dict(attention={}, fuse_qk_norms=True, min_groups_per_split=None, grouped=False),
+    "ungrouped": dict(attention={}, fuse_qk_norms=True, min_groups_per_split=None, grouped=False, fused_epilogues=False),
+    # Without the fused epilogues (residual adds and split-K reductions in the next RMSNorm, the o
+    # projection's act quant in attention): the code of 2026-12-02's runs 10-14.
+    "unfused_epilogues": dict(attention={}, fuse_qk_norms=True, min_groups_per_split=None, fused_epilogues=False),
 }
 VARIANT = VARIANTS["shipped"]
 
@@ -128,6 +131,7 @@ def new_engine(model, **kwargs) -> DecodeEngine:
     engine.attention_options = dict(VARIANT["attention"])
     engine.look_ahead = VARIANT.get("look_ahead", True)
     engine.grouped_projections = VARIANT.get("grouped", True)
+    engine.fused_epilogues = VARIANT.get("fused_epilogues", True)
     if not VARIANT["fuse_qk_norms"]:
         engine.view.qk_norms = []  # the q/k norm modules run on their own, as before the fused launch
     return engine
@@ -205,6 +209,7 @@ def run_case(
 _KERNEL_KINDS = (  # (kind, substrings of a kernel name), first match wins
     ("decode_gemm", ("fp8_decode_gemm", "splitk_reduce")),
     ("attention", ("decode_attention",)),
+    ("add_norm_quant", ("add_rmsnorm",)),  # residual add (+ split-K sums) + RMSNorm + quant
     ("fp8_quant", ("act_quant", "quant_kernel")),
     ("norm", ("rmsnorm",)),
     ("swiglu", ("swiglu",)),
@@ -238,7 +243,10 @@ def kernel_breakdown(step, steps: int = 3) -> dict:
     )
 
 
-def profile_step(model, batch: int, new: int) -> dict:
+PROFILED = ("bf16", "fp8", "fp8_unfused", "fp8_ungrouped", "fp8_general")
+
+
+def profile_step(model, batch: int, new: int, precisions: tuple[str, ...] = PROFILED) -> dict:
     """Where a graphed decode step's time goes: replay alone, the sampler alone, the kernels by kind."""
     from jetrl_trainer.rollout.engine.graphs import DecodeGraphs
     from jetrl_trainer.rollout.engine.kv_cache import KVCache
@@ -249,11 +257,12 @@ def profile_step(model, batch: int, new: int) -> dict:
     out = {}
     config = GenerationConfig(max_new_tokens=new, do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
     general = "scaled_mm" if "scaled_mm" in available_gemm_backends("cuda") else "triton"
-    for precision in ("bf16", "fp8", "fp8_ungrouped", "fp8_general"):
+    for precision in precisions:
         forced = use_gemm_backend(general) if precision == "fp8_general" else contextlib.nullcontext()
         with torch.no_grad(), precision_phase("train" if precision == "bf16" else "rollout"), forced:
             engine = DecodeEngine(model)
             engine.grouped_projections = precision != "fp8_ungrouped"
+            engine.fused_epilogues = precision not in ("fp8_unfused", "fp8_ungrouped")
             v = engine.view
             cache = KVCache(num_layers=len(v.layers), num_slots=batch + 1, max_len=PROMPT + new,
                             num_kv_heads=v.num_kv_heads, head_dim=v.head_dim, dtype=v.dtype, device=v.device)
@@ -292,6 +301,10 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--profile-only", action="store_true", help="only the per-step profile (no throughput runs)")
+    ap.add_argument("--profile", default=",".join(PROFILED),
+                    help=f"comma list of the engines the step profile covers ({', '.join(PROFILED)}): fp8_unfused "
+                         "without the fused epilogues, fp8_ungrouped without those and the grouped launches, "
+                         "fp8_general on the general GEMM path")  # fmt: skip
     ap.add_argument("--kv-only", action="store_true", help="only the fixed-length engine runs, with an FP8 KV cache too")
     ap.add_argument("--refill", type=int, default=4,
                     help="variable-length case with refill: this many times the batch, through batch slots")
@@ -304,7 +317,8 @@ def main() -> None:
     gbs = copy_bandwidth_gbs()
     model = build_model(args.layers)
     if args.profile_only:
-        profile = {f"b{b}": profile_step(model, b, args.new) for b in map(int, args.batches.split(","))}
+        profiled = tuple(args.profile.split(","))
+        profile = {f"b{b}": profile_step(model, b, args.new, profiled) for b in map(int, args.batches.split(","))}
         dump(dict(benchmark="rollout_profile", env=environment(), layers=args.layers, step_profile=profile))
         return
     if args.variants:

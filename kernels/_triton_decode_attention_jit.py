@@ -9,16 +9,36 @@ Phase 2, one program per (row, query head): rescales and sums the splits. With o
 ``FLASH_ORDER`` follows flash attention's arithmetic instead (tiles newest first, exp2 of raw scores
 times scale·log2(e), normalized by a reciprocal), so that with one split of the training kernel's
 tile size the summation order is closer to the training forward's.
+``QUANT``: the output's 1×128 FP8 quantization (one group per head, ``D`` = 128) is written too, from
+the rounded output, by the functions of ``_triton_quant_jit`` (the bits of ``quantize_fp8_groups``
+of the ``[B, H·D]`` output): the o projection's activation quant costs no launch of its own.
 """
 
 import triton
 import triton.language as tl
 
+from jetrl_trainer.kernels._triton_quant_jit import _amax, _fp8_bits, _scale_from_amax
+
+
+@triton.jit
+def _store_output(o, out_ptr, oq_ptr, os_ptr, b, heads, d, h_ok, stride_ob, stride_oh, H: tl.constexpr,
+                  D: tl.constexpr, QUANT: tl.constexpr, UE8M0: tl.constexpr):  # fmt: skip
+    """Store the FP32 output rows ``o (heads, D)`` rounded to the output dtype, and with ``QUANT``
+    their FP8 quantization (``[B, H·D]`` bits, ``[B, H]`` scales: each head is one 128-group)."""
+    rounded = o.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :], rounded, mask=h_ok[:, None])
+    if QUANT:
+        of = rounded.to(tl.float32)
+        scale = _scale_from_amax(_amax(of, 1), UE8M0)
+        bits = _fp8_bits(of, scale[:, None])
+        tl.store(oq_ptr + b * H * D + heads[:, None] * D + d[None, :], bits, mask=h_ok[:, None])
+        tl.store(os_ptr + b * H + heads, scale, mask=h_ok)
+
 
 @triton.jit
 def decode_attention_split_kernel(
     q_ptr, k_ptr, v_ptr, slots_ptr, lengths_ptr, m_ptr, l_ptr, acc_ptr, ks_ptr, vs_ptr, out_ptr,
-    scale,
+    oq_ptr, os_ptr, scale,
     stride_qb, stride_qh,
     stride_ks, stride_kh, stride_kt,
     stride_vs, stride_vh, stride_vt,
@@ -27,6 +47,7 @@ def decode_attention_split_kernel(
     stride_ss, stride_sh, stride_ob, stride_oh,
     GROUPS: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr,
     PRECISION: tl.constexpr, KV_FP8: tl.constexpr, FLASH_ORDER: tl.constexpr, DIRECT: tl.constexpr,
+    H: tl.constexpr, QUANT: tl.constexpr, UE8M0: tl.constexpr,
 ):  # fmt: skip
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     length = tl.load(lengths_ptr + b).to(tl.int32)
@@ -80,8 +101,7 @@ def decode_attention_split_kernel(
             o = acc * (1.0 / l_i)[:, None]
         else:
             o = acc / l_i[:, None]
-        dst = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
-        tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
+        _store_output(o, out_ptr, oq_ptr, os_ptr, b, heads, d, g_ok, stride_ob, stride_oh, H, D, QUANT, UE8M0)
         return
     row = b * stride_mb + heads * stride_mh + split
     tl.store(m_ptr + row, m_i, mask=g_ok)
@@ -92,9 +112,10 @@ def decode_attention_split_kernel(
 
 @triton.jit
 def decode_attention_reduce_kernel(
-    m_ptr, l_ptr, acc_ptr, out_ptr,
+    m_ptr, l_ptr, acc_ptr, out_ptr, oq_ptr, os_ptr,
     stride_mb, stride_mh, stride_ab, stride_ah, stride_as, stride_ob, stride_oh,
     m_scale, SPLITS: tl.constexpr, S_PAD: tl.constexpr, D: tl.constexpr, FLASH_ORDER: tl.constexpr,
+    H: tl.constexpr, QUANT: tl.constexpr, UE8M0: tl.constexpr,
 ):  # fmt: skip
     b, h = tl.program_id(0), tl.program_id(1)
     s = tl.arange(0, S_PAD)
@@ -111,4 +132,6 @@ def decode_attention_reduce_kernel(
     else:
         w = tl.where(m > float("-inf"), tl.exp(m - m_max), 0.0)  # empty splits weigh nothing
         out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
-    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+    heads = h + tl.arange(0, 1)  # one head as a (1, D) row, so the output store is phase 1's
+    _store_output(out[None, :], out_ptr, oq_ptr, os_ptr, b, heads, d, heads < H, stride_ob, stride_oh, H, D, QUANT,
+                  UE8M0)  # fmt: skip

@@ -61,6 +61,41 @@ def rmsnorm_quant_kernel(
 
 
 @triton.jit
+def add_rmsnorm_quant_kernel(
+    r_ptr, d_ptr, bias_ptr, w_ptr, h_ptr, y_ptr, q_ptr, s_ptr, M, K, k_float, eps,
+    stride_rm, stride_dm, stride_hm, stride_ym, stride_qm, stride_sm,
+    PARTS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_K: tl.constexpr, LEVELS: tl.constexpr, GROUP: tl.constexpr,
+    UE8M0: tl.constexpr,
+):  # fmt: skip
+    """One row per program: the residual add ``h = (r + d).to(dtype)``, stored, then ``rmsnorm_quant_kernel``
+    of ``h``. ``d`` is a tensor in ``r``'s dtype (``PARTS`` = 0), or the split-K partial sums
+    ``[PARTS, M, K]`` (FP32, contiguous) of a decode GEMM, added in split order (+ bias) and rounded
+    once, as ``splitk_reduce_kernel`` does: the same bits as that reduction, then torch's add."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_K)
+    mask = cols < K
+    r_raw = tl.load(r_ptr + row * stride_rm + cols, mask=mask, other=0.0)
+    if PARTS == 0:
+        d = tl.load(d_ptr + row * stride_dm + cols, mask=mask, other=0.0).to(tl.float32)
+    else:
+        acc = tl.load(d_ptr + row * K + cols, mask=mask, other=0.0)
+        for p in tl.static_range(1, PARTS):
+            acc += tl.load(d_ptr + p * M * K + row * K + cols, mask=mask, other=0.0)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        d = acc.to(r_raw.dtype).to(tl.float32)
+    h = (r_raw.to(tl.float32) + d).to(r_raw.dtype)
+    tl.store(h_ptr + row * stride_hm + cols, h, mask=mask)
+    # rmsnorm_quant_kernel's body on h, inline (the form that ran on the GPU; a shared helper is to do).
+    x = h.to(tl.float32)
+    n = tl.math.div_rn(x, rms_divisor(x, k_float, eps, LEVELS)).to(r_raw.dtype)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    y = (w.to(tl.float32) * n.to(tl.float32)).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + row * stride_ym + cols, y, mask=mask)
+    _store_quantized_row(y.to(tl.float32), row, K, q_ptr, s_ptr, stride_qm, stride_sm, BLOCK_K, GROUP, UE8M0)
+
+
+@triton.jit
 def swiglu_quant_kernel(
     g_ptr, u_ptr, h_ptr, q_ptr, s_ptr, M, K, stride_gm, stride_um, stride_hm, stride_qm, stride_sm,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, GROUPS_PER_PROG: tl.constexpr, UE8M0: tl.constexpr,

@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._triton_support import call_op, cdiv, load_jit, sm_count
+from ._triton_support import call_op, cdiv, check_scale_format, load_jit, sm_count
 from .triton_rope_append import check_kv_scales
 
 __all__ = ["decode_attention", "decode_attention_reference", "plan_splits"]
@@ -77,8 +77,8 @@ def decode_attention_reference(
 @torch.library.custom_op("jetrl::decode_attention", mutates_args=(), device_types="cuda")
 def _decode_attention_op(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, lengths: Tensor, scale: float, splits: int,
-    k_scale: Optional[Tensor], v_scale: Optional[Tensor], block_n: int, flash_order: bool,
-) -> Tensor:
+    k_scale: Optional[Tensor], v_scale: Optional[Tensor], block_n: int, flash_order: bool, quant_format: str,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     jit = load_jit("_triton_decode_attention_jit")
     B, H, D = q.shape
     h_kv, T = k_cache.shape[1], k_cache.shape[2]
@@ -88,44 +88,57 @@ def _decode_attention_op(
     l = torch.empty_like(m)
     acc = torch.empty((B, H, splits, D), dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
+    quant = bool(quant_format)
+    oq = torch.empty((B, H * D) if quant else (0,), dtype=torch.float8_e4m3fn, device=q.device)
+    os_ = torch.empty((B, H) if quant else (0,), dtype=torch.float32, device=q.device)
+    out_q = dict(H=H, QUANT=quant, UE8M0=quant_format == "ue8m0")
     fp8 = k_scale is not None
     direct = splits == 1 and DIRECT_SINGLE_SPLIT
     jit.decode_attention_split_kernel[(B, h_kv, splits)](
-        q, k_cache, v_cache, slots, lengths, m, l, acc, k_scale if fp8 else m, v_scale if fp8 else m, out, scale,
+        q, k_cache, v_cache, slots, lengths, m, l, acc, k_scale if fp8 else m, v_scale if fp8 else m, out,
+        oq.view(torch.uint8), os_, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), m.stride(0), m.stride(1),
         acc.stride(0), acc.stride(1), acc.stride(2),
         k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0, out.stride(0), out.stride(1),
         GROUPS=groups, G_PAD=max(16, 1 << (groups - 1).bit_length()), D=D, BLOCK_N=block_n, TILES=tiles,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # FP32 caches: no silent TF32
-        KV_FP8=fp8, FLASH_ORDER=flash_order, DIRECT=direct, num_warps=4,
+        KV_FP8=fp8, FLASH_ORDER=flash_order, DIRECT=direct, num_warps=4, **out_q,
     )  # fmt: skip
     if direct:
-        return out
+        return out, oq, os_
     jit.decode_attention_reduce_kernel[(B, H)](
-        m, l, acc, out, m.stride(0), m.stride(1), acc.stride(0), acc.stride(1), acc.stride(2),
+        m, l, acc, out, oq.view(torch.uint8), os_, m.stride(0), m.stride(1), acc.stride(0), acc.stride(1), acc.stride(2),
         out.stride(0), out.stride(1), float(scale) * 1.4426950408889634, SPLITS=splits,
-        S_PAD=max(2, 1 << (splits - 1).bit_length()), D=D, FLASH_ORDER=flash_order, num_warps=4,
+        S_PAD=max(2, 1 << (splits - 1).bit_length()), D=D, FLASH_ORDER=flash_order, num_warps=4, **out_q,
     )  # fmt: skip
-    return out
+    return out, oq, os_
 
 
 @_decode_attention_op.register_fake
-def _(q, k_cache, v_cache, slots, lengths, scale, splits, k_scale, v_scale, block_n, flash_order):
-    return torch.empty_like(q)
+def _(q, k_cache, v_cache, slots, lengths, scale, splits, k_scale, v_scale, block_n, flash_order, quant_format):
+    B, H, D = q.shape
+    quant = bool(quant_format)
+    return (
+        torch.empty_like(q),
+        q.new_empty((B, H * D) if quant else (0,), dtype=torch.float8_e4m3fn),
+        q.new_empty((B, H) if quant else (0,), dtype=torch.float32),
+    )
 
 
 def decode_attention(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, lengths: Tensor, scale: float, *,
     splits: Optional[int] = None, k_scale: Optional[Tensor] = None, v_scale: Optional[Tensor] = None,
-    block_n: int = BLOCK_N, flash_order: bool = FLASH_ORDER,
-) -> Tensor:  # fmt: skip
+    block_n: int = BLOCK_N, flash_order: bool = FLASH_ORDER, quantize_output: Optional[str] = None,
+) -> Tensor | tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """Attention of ``q`` ``(B, H, D)`` over each row's live cached positions; see the module table.
 
     FP8 caches (``float8_e4m3fn``) come with ``k_scale`` / ``v_scale`` ``(S, H_kv, T)``, one FP32 scale
     per position and KV head (the engine's ``KVCache(fp8=True)``). ``block_n`` positions per tile
     (a power of two >= 16); ``flash_order`` uses flash attention's order of arithmetic (see the jit module);
-    ``splits`` defaults to :func:`plan_splits` for this GPU."""
+    ``splits`` defaults to :func:`plan_splits` for this GPU. ``quantize_output`` (a scale format,
+    ``"fp32"`` or ``"ue8m0"``; head_dim 128) also returns the output's 1×128 FP8 quantization as
+    ``(out, q [B, H·D], s [B, H])``, bit-identical to ``quantize_fp8_groups(out.reshape(B, H·D))``."""
     if q.device.type != "cuda":
         raise ValueError("decode_attention is a CUDA kernel; on CPU use decode_attention_reference.")
     B, H, D = q.shape
@@ -145,5 +158,10 @@ def decode_attention(
         splits = plan_splits(B, k_cache.shape[1], k_cache.shape[2], block_n, sm_count(q.device))
     if splits < 1:
         raise ValueError(f"splits must be >= 1; got {splits}.")
-    return call_op(_decode_attention_op, q, k_cache, v_cache, slots, lengths, float(scale), int(splits), k_scale,
-                   v_scale, int(block_n), bool(flash_order))  # fmt: skip
+    if quantize_output is not None:
+        check_scale_format(quantize_output)
+        if D != 128:
+            raise ValueError(f"quantize_output needs head_dim 128 (one 1x128 group per head); got {D}.")
+    out, oq, os_ = call_op(_decode_attention_op, q, k_cache, v_cache, slots, lengths, float(scale), int(splits),
+                           k_scale, v_scale, int(block_n), bool(flash_order), quantize_output or "")  # fmt: skip
+    return (out, oq, os_) if quantize_output is not None else out

@@ -44,7 +44,10 @@ from jetrl_trainer._choices import FLOAT_DTYPES, check_choice
 
 from ._triton_support import call_op, cdiv, check_scale_format, load_jit, sm_count
 
-__all__ = ["DECODE_MAX_M", "PROLOGUE_MAX_M", "fp8_decode_gemm_grouped", "fp8_decode_gemm_nt", "fp8_decode_linear"]
+__all__ = [
+    "DECODE_MAX_M", "PROLOGUE_MAX_M", "fp8_decode_gemm_grouped", "fp8_decode_gemm_nt", "fp8_decode_gemm_partials",
+    "fp8_decode_linear",
+]  # fmt: skip
 
 _FP8 = torch.float8_e4m3fn
 
@@ -104,13 +107,17 @@ def _decode_linear_op(
 
 
 def _launch(x: Tensor, x_s: Optional[Tensor], segments: list[tuple], scale_format: str, q: Tensor, s: Tensor,
-            write_q: bool) -> None:  # fmt: skip
-    """The GEMM (and the split-K reduction) for ``segments``: one to three ``(w_q, w_s, bias, out)``."""
+            write_q: bool, partials: Optional[Tensor] = None) -> None:  # fmt: skip
+    """The GEMM (and the split-K reduction) for ``segments``: one to three ``(w_q, w_s, bias, out)``.
+    ``partials`` (one segment, no bias): the FP32 ``[SPLITS, M, N]`` to write the split sums into,
+    unreduced (with one split the kernel writes its FP32 result there directly)."""
     jit = load_jit("_triton_decode_gemm_jit")
     m, k = x.shape
     widths = [w_q.shape[0] for w_q, *_ in segments]
     cfg = plan(m, widths, k, sm_count(x.device))
     splits, quantize, has_bias = cfg["SPLITS"], x_s is None, segments[0][2] is not None
+    if partials is not None:
+        segments = [(segments[0][0], segments[0][1], None, partials[0])]
     # Segment 0 is the arguments of a single-weight launch; segments 1-2 follow (unused: segment 0's).
     args = [(w_q, w_s, bias if bias is not None else w_s, out, w_q.shape[0]) for w_q, w_s, bias, out in segments]
     w_q, w_s, bias, out, n = args[0]
@@ -118,14 +125,17 @@ def _launch(x: Tensor, x_s: Optional[Tensor], segments: list[tuple], scale_forma
     rest += [w_q, w_s, bias, out, 0] * (3 - len(args))
     total = sum(widths)
     grid = (sum(cdiv(w, cfg["BLOCK_N"]) for w in widths), splits, cdiv(m, cfg["BLOCK_M"]))
-    part = torch.empty((splits, m, total), dtype=torch.float32, device=x.device) if splits > 1 else out
+    if partials is not None:
+        part = partials
+    else:
+        part = torch.empty((splits, m, total), dtype=torch.float32, device=x.device) if splits > 1 else out
     jit.fp8_decode_gemm_kernel[grid](
         x, x_s if x_s is not None else w_s, w_q, w_s, out, part, bias, q.view(torch.uint8), s, m, n, k,
         x.stride(0), x_s.stride(0) if x_s is not None else 0, w_q.stride(0), w_s.stride(0), out.stride(0), *rest,
         QUANTIZE=quantize, HAS_BIAS=has_bias, WRITE_Q=write_q and quantize,
         UE8M0=scale_format == "ue8m0", SEGMENTS=len(segments), **cfg,
     )  # fmt: skip
-    if splits > 1:
+    if splits > 1 and partials is None:
         jit.splitk_reduce_kernel[(cdiv(m * total, REDUCE_BLOCK),)](
             part, bias, out, m, n, out.stride(0), *rest[2:5], *rest[7:10],
             SPLITS=splits, HAS_BIAS=has_bias, BLOCK=REDUCE_BLOCK, SEGMENTS=len(segments), num_warps=4,
@@ -143,6 +153,24 @@ def _decode_grouped_op(
         empty = torch.empty((0,), dtype=torch.float32, device=x_q.device)
         _launch(x_q, x_s, list(zip(w_qs, w_ss, biases, outs)), "fp32", empty, empty, False)
     return outs
+
+
+@torch.library.custom_op("jetrl::fp8_decode_gemm_partials", mutates_args=(), device_types="cuda")
+def _decode_partials_op(x_q: Tensor, x_s: Tensor, w_q: Tensor, w_s: Tensor) -> Tensor:
+    m, n = x_q.shape[0], w_q.shape[0]
+    splits = plan(m, n, x_q.shape[1], sm_count(x_q.device))["SPLITS"]
+    parts = torch.empty((splits, m, n), dtype=torch.float32, device=x_q.device)
+    if m and n:
+        empty = torch.empty((0,), dtype=torch.float32, device=x_q.device)
+        _launch(x_q, x_s, [(w_q, w_s, None, parts[0])], "fp32", empty, empty, False, partials=parts)
+    return parts
+
+
+@_decode_partials_op.register_fake
+def _(x_q, x_s, w_q, w_s):
+    m, n = x_q.shape[0], w_q.shape[0]
+    splits = plan(m, n, x_q.shape[1], sm_count(x_q.device))["SPLITS"]
+    return x_q.new_empty((splits, m, n), dtype=torch.float32)
 
 
 @_decode_grouped_op.register_fake
@@ -167,6 +195,14 @@ def _check_weight(w_q: Tensor, w_s: Tensor, k: int) -> None:
     if w_s.dtype != torch.float32 or tuple(w_s.shape) != expected or w_s.stride(-1) != 1:
         raise ValueError(f"w_s must be float32 {expected} (128x128 blocks, unit stride); got {w_s.dtype} "
                          f"{tuple(w_s.shape)}.")  # fmt: skip
+
+
+def _check_prequantized(x_q: Tensor, x_s: Tensor) -> None:
+    if x_q.dtype != _FP8 or x_q.dim() != 2 or x_q.stride(-1) != 1 or not x_q.is_cuda:
+        raise ValueError(f"x_q must be a 2-D CUDA float8_e4m3fn with unit stride; got {x_q.dtype} {tuple(x_q.shape)}.")
+    m, k = x_q.shape
+    if x_s.dtype != torch.float32 or tuple(x_s.shape) != (m, cdiv(k, 128)) or x_s.stride(-1) != 1:
+        raise ValueError(f"x_s must be float32 {(m, cdiv(k, 128))} with unit stride; got {x_s.dtype} {tuple(x_s.shape)}.")
 
 
 def fp8_decode_linear(
@@ -194,14 +230,24 @@ def fp8_decode_gemm_nt(
     out_dtype: torch.dtype = torch.bfloat16,
 ) -> Tensor:  # fmt: skip
     """The same GEMM for an activation already quantized 1×128 (e.g. by a fused RMSNorm + quant)."""
-    if x_q.dtype != _FP8 or x_q.dim() != 2 or x_q.stride(-1) != 1 or not x_q.is_cuda:
-        raise ValueError(f"x_q must be a 2-D CUDA float8_e4m3fn with unit stride; got {x_q.dtype} {tuple(x_q.shape)}.")
+    _check_prequantized(x_q, x_s)
     m, k = x_q.shape
-    if x_s.dtype != torch.float32 or tuple(x_s.shape) != (m, cdiv(k, 128)) or x_s.stride(-1) != 1:
-        raise ValueError(f"x_s must be float32 {(m, cdiv(k, 128))} with unit stride; got {x_s.dtype} {tuple(x_s.shape)}.")
     _check_weight(w_q, w_s, k)
     check_choice("out_dtype", out_dtype, FLOAT_DTYPES)
     return call_op(_decode_linear_op, x_q, x_s, w_q, w_s, bias, "fp32", out_dtype, False)[0]
+
+
+def fp8_decode_gemm_partials(x_q: Tensor, x_s: Tensor, w_q: Tensor, w_s: Tensor) -> Tensor:
+    """:func:`fp8_decode_gemm_nt` without its split-K reduction: the FP32 partial sums ``[S, M, N]``
+    (``S`` the planned K splits, 1 when K is not split), for a consumer that reduces them itself in
+    split order (``triton_norm.add_rmsnorm_quant_fp8``: the reduction, the residual add and the next
+    RMSNorm in one launch). Summed in order and rounded once, they give the bits of
+    ``fp8_decode_gemm_nt``."""
+    _check_prequantized(x_q, x_s)
+    _check_weight(w_q, w_s, x_q.shape[1])
+    if not w_q.is_contiguous():
+        raise ValueError("the weight of fp8_decode_gemm_partials must be contiguous.")
+    return call_op(_decode_partials_op, x_q, x_s, w_q, w_s)
 
 
 def fp8_decode_gemm_grouped(
@@ -218,11 +264,8 @@ def fp8_decode_gemm_grouped(
     biases = list(biases) or [None] * len(weights)
     if len(biases) != len(weights) or len({b is None for b in biases}) != 1:
         raise ValueError("give a bias for every weight of a grouped decode GEMM, or none.")
-    if x_q.dtype != _FP8 or x_q.dim() != 2 or x_q.stride(-1) != 1 or not x_q.is_cuda:
-        raise ValueError(f"x_q must be a 2-D CUDA float8_e4m3fn with unit stride; got {x_q.dtype} {tuple(x_q.shape)}.")
+    _check_prequantized(x_q, x_s)
     m, k = x_q.shape
-    if x_s.dtype != torch.float32 or tuple(x_s.shape) != (m, cdiv(k, 128)) or x_s.stride(-1) != 1:
-        raise ValueError(f"x_s must be float32 {(m, cdiv(k, 128))} with unit stride; got {x_s.dtype} {tuple(x_s.shape)}.")
     for w_q, w_s in weights:
         _check_weight(w_q, w_s, k)
         if not (w_q.is_contiguous() and w_s.is_contiguous()):

@@ -13,15 +13,22 @@ Layout: ``x [M, K]`` (fp32/bf16/fp16, unit stride along K) and ``weight [K]`` on
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ._triton_support import call_op, cdiv, check_cuda_2d, check_scale_format, load_jit
 
-__all__ = ["rmsnorm_backward", "rmsnorm_quant_fp8"]
+__all__ = ["add_rmsnorm_quant_fp8", "rmsnorm_backward", "rmsnorm_quant_fp8"]
 
 _FP8 = torch.float8_e4m3fn
 _GROUP = 128
 _MAX_K = 65536
+# Warps of the fused residual add + RMSNorm launch; None: by row width, up to 32 for rows of 4096.
+# At decode it runs one program per row (16-64 programs), so wide programs keep more loads in flight:
+# on the H200 the o projection's epilogue at M = 64 took 13.4 us with 32 warps against 15.0 with 8
+# and 17.0 with 4 (benchmarks/bench_decode_gemm.py --epilogue, docs/benchmarks.md §7). A benchmark knob.
+ADD_NORM_WARPS: Optional[int] = None
 
 
 @torch.library.custom_op("jetrl::rmsnorm_quant_fp8", mutates_args=(), device_types="cuda")
@@ -67,6 +74,80 @@ def rmsnorm_quant_fp8(
         raise ValueError(f"rmsnorm_quant_fp8 keeps a row in registers: K must be ≤ {_MAX_K}; got {x.shape[1]}.")
     x = x if x.stride(-1) == 1 else x.contiguous()
     return call_op(_rmsnorm_quant_op, x, weight.contiguous(), float(eps), scale_format)
+
+
+# --------------------------------------------------------------------------------------------
+# The residual add fused in front (the decode engine: h = h + o_proj(...), then the next norm)
+# --------------------------------------------------------------------------------------------
+@torch.library.custom_op("jetrl::add_rmsnorm_quant_fp8", mutates_args=(), device_types="cuda")
+def _add_rmsnorm_quant_op(
+    residual: torch.Tensor, delta: torch.Tensor, bias: Optional[torch.Tensor], weight: torch.Tensor, eps: float,
+    scale_format: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    jit = load_jit("_triton_fused_jit")
+    m, k = residual.shape
+    h = torch.empty_like(residual)
+    y = torch.empty((m, k), dtype=torch.promote_types(residual.dtype, weight.dtype), device=residual.device)
+    q = torch.empty((m, k), dtype=_FP8, device=residual.device)
+    s = torch.empty((m, cdiv(k, _GROUP)), dtype=torch.float32, device=residual.device)
+    if m == 0 or k == 0:
+        return h, y, q, s
+    block_k = max(_GROUP, 1 << (k - 1).bit_length())
+    parts = delta.shape[0] if delta.dim() == 3 else 0
+    jit.add_rmsnorm_quant_kernel[(m,)](
+        residual, delta, bias if bias is not None else weight, weight, h, y, q.view(torch.uint8), s, m, k, float(k),
+        eps, residual.stride(0), delta.stride(0) if parts == 0 else 0, h.stride(0), y.stride(0), q.stride(0),
+        s.stride(0), PARTS=parts, HAS_BIAS=bias is not None, BLOCK_K=block_k, LEVELS=block_k.bit_length() - 2,
+        GROUP=_GROUP, UE8M0=scale_format == "ue8m0", num_warps=ADD_NORM_WARPS or min(32, max(4, block_k // 128)),
+        enable_fp_fusion=False,  # as rmsnorm_quant_fp8 (and no FMA in the split sums)
+    )  # fmt: skip
+    return h, y, q, s
+
+
+@_add_rmsnorm_quant_op.register_fake
+def _(residual, delta, bias, weight, eps, scale_format):
+    m, k = residual.shape
+    return (
+        torch.empty_like(residual),
+        residual.new_empty((m, k), dtype=torch.promote_types(residual.dtype, weight.dtype)),
+        residual.new_empty((m, k), dtype=_FP8),
+        residual.new_empty((m, cdiv(k, _GROUP)), dtype=torch.float32),
+    )
+
+
+def add_rmsnorm_quant_fp8(
+    residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, *,
+    bias: Optional[torch.Tensor] = None, scale_format: str = "fp32",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``h = residual + delta`` and ``(y, q, s) = rmsnorm_quant_fp8(h, weight, eps)`` in one pass: ``(h, y, q, s)``.
+
+    ``delta`` is ``[M, K]`` in ``residual``'s dtype, or the FP32 split-K partial sums ``[S, M, K]``
+    (contiguous) of a decode GEMM (``triton_decode_gemm.fp8_decode_gemm_partials``), which are added
+    in split order, plus ``bias``, and rounded to ``residual``'s dtype first: the same bits as that
+    GEMM's own output followed by torch's add. ``bias`` only goes with partial sums."""
+    check_cuda_2d(residual, "residual")
+    check_scale_format(scale_format)
+    m, k = residual.shape
+    if weight.dim() != 1 or weight.shape[0] != k or weight.device != residual.device:
+        raise ValueError(f"weight must be a 1-D tensor of {k} elements on {residual.device}; got {tuple(weight.shape)}.")
+    if k > _MAX_K:
+        raise ValueError(f"add_rmsnorm_quant_fp8 keeps a row in registers: K must be ≤ {_MAX_K}; got {k}.")
+    if delta.dim() == 3:
+        if delta.dtype != torch.float32 or tuple(delta.shape[1:]) != (m, k) or not delta.is_contiguous():
+            raise ValueError(f"split-K partial sums must be contiguous float32 [S, {m}, {k}]; got {delta.dtype} "
+                             f"{tuple(delta.shape)}.")  # fmt: skip
+        if bias is not None and (bias.dim() != 1 or bias.shape[0] != k):
+            raise ValueError(f"bias must be [{k}]; got {tuple(bias.shape)}.")
+    else:
+        if delta.shape != residual.shape or delta.dtype != residual.dtype or delta.device != residual.device:
+            raise ValueError(f"delta must match residual ({residual.dtype} {tuple(residual.shape)}) or be FP32 split "
+                             f"sums [S, M, K]; got {delta.dtype} {tuple(delta.shape)}.")  # fmt: skip
+        if bias is not None:
+            raise ValueError("bias goes with split-K partial sums only (add it to delta yourself).")
+        delta = delta if delta.stride(-1) == 1 else delta.contiguous()
+    residual = residual if residual.stride(-1) == 1 else residual.contiguous()
+    bias = bias.contiguous() if bias is not None else None
+    return call_op(_add_rmsnorm_quant_op, residual, delta, bias, weight.contiguous(), float(eps), scale_format)
 
 
 # --------------------------------------------------------------------------------------------

@@ -133,3 +133,31 @@ def test_kernel_reads_only_live_positions_and_replays_in_a_graph():
     graph.replay()
     ref = decode_attention_reference(q, k.nan_to_num(0.0), v.nan_to_num(0.0), slots, new_lengths, 0.088)
     assert torch.allclose(static.float(), ref.float(), atol=3e-2, rtol=0)
+
+
+@pytest.mark.gpu
+@CUDA
+@pytest.mark.parametrize("scale_format", ["fp32", "ue8m0"])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_quantized_output_is_quantize_fp8_groups_of_the_output(splits, scale_format):
+    """``quantize_output``: the same output, and its 1x128 quantization (one group per head) bit for
+    bit, from phase 1 (one split) and from phase 2 (several)."""
+    from jetrl_trainer.quant.fp8 import quantize_fp8_groups
+
+    _need_triton()
+    q, k, v, slots, lengths = _inputs(6, 32, 8, 300, 128, 6, torch.bfloat16, device="cuda")
+    plain = decode_attention(q, k, v, slots, lengths, 0.088, splits=splits)
+    out, out_q, out_s = decode_attention(q, k, v, slots, lengths, 0.088, splits=splits, quantize_output=scale_format)
+    assert torch.equal(out, plain)
+    ref_q, ref_s = quantize_fp8_groups(out.reshape(6, -1), 128, scale_format=scale_format)
+    assert out_q.shape == (6, 32 * 128) and out_s.shape == (6, 32)
+    assert torch.equal(out_q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(out_s, ref_s)
+
+
+@pytest.mark.gpu
+@CUDA
+def test_quantized_output_needs_heads_of_128():
+    _need_triton()
+    q, k, v, slots, lengths = _inputs(3, 4, 2, 40, 32, 5, torch.bfloat16, device="cuda")
+    with pytest.raises(ValueError, match="head_dim 128"):
+        decode_attention(q, k, v, slots, lengths, 0.1, quantize_output="fp32")

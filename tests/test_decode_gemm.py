@@ -131,6 +131,27 @@ def test_prequantized_operand_gives_the_same_bits_and_bias_is_added_in_fp32(m, n
     assert relative_error(fused, _reference(x, w_q, w_s, bias)) < 4e-3  # one rounding to BF16, as the general path
 
 
+@pytest.mark.gpu
+@CUDA
+@pytest.mark.parametrize("m, n, k", SHAPES)
+def test_partial_sums_reduced_in_order_give_the_gemms_bits(m, n, k, launch):
+    """``fp8_decode_gemm_partials``: one FP32 slice per planned K split (the GEMM's own output when K
+    is not split), which, added in split order with the bias and rounded once, is the full GEMM."""
+    _need_kernel()
+    x, w_q, w_s = _operands(m, n, k, torch.bfloat16, seed=2)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    x_q, x_s = quantize_fp8_groups(x)
+    parts = dg.fp8_decode_gemm_partials(x_q, x_s, w_q, w_s)
+    assert parts.dtype == torch.float32 and parts.shape == (dg.plan(m, n, k, torch.cuda.get_device_properties(0)
+                                                                    .multi_processor_count)["SPLITS"], m, n)  # fmt: skip
+    acc = parts[0].clone()
+    for part in parts[1:]:
+        acc += part
+    for b in (None, bias):
+        total = acc + b.float() if b is not None else acc
+        assert torch.equal(total.bfloat16(), dg.fp8_decode_gemm_nt(x_q, x_s, w_q, w_s, b, out_dtype=torch.bfloat16))
+
+
 def _captured(fn):
     """``fn`` warmed up on a side stream (Triton compiles), then captured: ``(graph, its output)``."""
     side = torch.cuda.Stream()

@@ -404,3 +404,54 @@ def test_trainer_keeps_the_engine_state_between_rollouts(tmp_path):
     assert trainer.rollout_backend._engine is not None and trainer.rollout_backend.last_stats["reused_state"]
     logged = [log["rollout/engine_reused_state"] for log in trainer.state.log_history if "rollout/engine_reused_state" in log]
     assert logged == [0.0, 1.0]  # the second step's rollout ran on the first one's cache
+
+
+def test_split_sums_materialize_as_the_gemms_reduction():
+    from jetrl_trainer.rollout.engine.projections import SplitSums
+
+    parts = torch.randn(3, 4, 8) * 1e3
+    bias = torch.randn(8).bfloat16()
+    expected = ((parts[0] + parts[1]) + parts[2] + bias.float()).bfloat16()
+    sums = SplitSums(parts, bias, (2, 2, 8), torch.bfloat16)
+    assert torch.equal(sums.materialize(), expected.view(2, 2, 8))
+
+
+def test_residual_stream_fuses_each_add_into_the_next_norm_that_offers_it():
+    from torch import nn
+
+    from jetrl_trainer.rollout.engine.projections import SplitSums
+    from jetrl_trainer.rollout.engine.residual import ResidualStream
+
+    class Norm(nn.Module):  # doubles its input; add_forward records what it was handed
+        def __init__(self, fuses: bool) -> None:
+            super().__init__()
+            self.fuses, self.seen = fuses, []
+
+        def forward(self, x):
+            return 2 * x
+
+        def add_forward(self, residual, delta=None, *, parts=None, bias=None):
+            self.seen.append((parts is not None, bias is not None))
+            if not self.fuses:
+                return None
+            h = residual + (SplitSums(parts, bias, residual.shape, residual.dtype).materialize() if parts is not None
+                            else delta)  # fmt: skip
+            return h, 2 * h
+
+    h0 = torch.randn(2, 1, 8)
+    parts, bias = torch.randn(2, 2, 8), torch.randn(8)
+    sums = SplitSums(parts, bias, (2, 1, 8), torch.float32)
+    for fuses in (True, False):
+        stream, norm = ResidualStream(h0.clone(), fuse=True), Norm(fuses)
+        stream.add(sums)
+        y = stream.norm(norm)
+        expected = h0 + sums.materialize()
+        assert torch.equal(y, 2 * expected) and torch.equal(stream.h, expected)
+        assert norm.seen == [(True, True)]  # handed the unreduced sums and the bias, fused or not
+        stream.add(torch.ones(2, 1, 8))
+        assert torch.equal(stream.value(), expected + 1)
+    unfused, norm = ResidualStream(h0.clone(), fuse=False), Norm(True)
+    unfused.add(sums)
+    assert torch.equal(unfused.norm(norm), 2 * (h0 + sums.materialize())) and norm.seen == []
+    first = ResidualStream(h0.clone(), fuse=True)
+    assert torch.equal(first.norm(norm), 2 * h0) and norm.seen == []  # nothing pending: the plain call

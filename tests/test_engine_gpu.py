@@ -199,3 +199,53 @@ def test_kept_graphs_replay_the_weights_of_each_step():
     assert after[0] == fresh[0] and after[0] != first[0]
     for a, b in zip(after[1], fresh[1]):
         assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-3, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama_bias"])
+def test_fused_epilogues_change_no_bit(arch, monkeypatch):
+    """Residual adds with the o / down split-K reductions inside the next fused RMSNorm, and the o
+    projection's activation quant inside the attention kernel: the same tokens and the same
+    log-probs, bit for bit, as the separate launches; and the fused kernels really ran. Heads of
+    128 (the attention kernel's quant needs one 1x128 group per head); Llama with biases on q/k/v/o."""
+    _graphs_or_skip()
+    from jetrl_trainer.kernels import triton_decode_attention as attention
+    from jetrl_trainer.kernels import triton_decode_gemm as dg
+    from jetrl_trainer.kernels import triton_norm
+    from jetrl_trainer.tiny import build_tiny_llama
+
+    tok = tokenizer()
+    if arch == "qwen3":
+        model = build_tiny_qwen3(tok, head_dim=128)
+    else:
+        model = build_tiny_llama(tok, head_dim=128, attention_bias=True)
+    model = model.cuda().eval()
+    quantize_model(model, train="fp8", rollout="fp8")
+    calls = {"partials": 0, "add_norm": 0, "attention_quant": 0}
+
+    def counting(name, real, check=lambda *a, **kw: True):
+        def wrapped(*args, **kwargs):
+            calls[name] += bool(check(*args, **kwargs))
+            return real(*args, **kwargs)
+
+        return wrapped
+
+    monkeypatch.setattr(dg, "fp8_decode_gemm_partials", counting("partials", dg.fp8_decode_gemm_partials))
+    monkeypatch.setattr(triton_norm, "add_rmsnorm_quant_fp8", counting("add_norm", triton_norm.add_rmsnorm_quant_fp8))
+    monkeypatch.setattr(attention, "decode_attention", counting(
+        "attention_quant", attention.decode_attention, lambda *a, **kw: kw.get("quantize_output") is not None))
+    config = GenerationConfig(max_new_tokens=10, do_sample=True, temperature=1.0, pad_token_id=tok.pad_token_id)
+    runs = []
+    with precision_phase("rollout"):
+        for fused in (True, False):
+            engine = DecodeEngine(model, cuda_graphs=True)
+            engine.fused_epilogues = fused
+            runs.append(engine.generate(PROMPTS * 2, config, eos_token_ids=[-1], seed=3, pad_token_id=0))
+            if fused:
+                layers = len(model.model.layers)
+                assert calls["partials"] >= 2 * layers - 1 and calls["add_norm"] >= 2 * layers - 1, calls
+                assert calls["attention_quant"] >= layers, calls
+                calls.update(partials=0, add_norm=0, attention_quant=0)
+    assert calls == {"partials": 0, "add_norm": 0, "attention_quant": 0}
+    assert runs[0][0] == runs[1][0]
+    for a, b in zip(runs[0][1], runs[1][1]):
+        assert torch.equal(torch.tensor(a), torch.tensor(b))

@@ -278,3 +278,54 @@ def test_bad_input_is_value_error():
     q, s = quantize_fp8_groups(torch.randn(4, 256, device="cuda"))
     with pytest.raises(ValueError, match="expected"):
         requant_transpose_fp8(q, s[:, :1])
+
+
+def _split_sums_reference(parts, bias, dtype):
+    """The decode GEMM's split-K reduction: splits added in order (+ bias) in FP32, rounded once."""
+    acc = parts[0].clone()
+    for part in parts[1:]:
+        acc += part
+    if bias is not None:
+        acc += bias.float()
+    return acc.to(dtype)
+
+
+@pytest.mark.parametrize("scale_format", FORMATS)
+@pytest.mark.parametrize("delta_kind", ["tensor", "one_split", "three_splits", "three_splits_bias"])
+@pytest.mark.parametrize("shape", ((1, 128), (3, 100), (64, 4096), (17, 5120)))
+def test_add_rmsnorm_quant_is_the_add_then_the_norm_bit_for_bit(shape, delta_kind, scale_format):
+    from jetrl_trainer.kernels import add_rmsnorm_quant_fp8, rmsnorm_quant_fp8
+
+    m, k = shape
+    g = torch.Generator(device="cuda").manual_seed(k + len(delta_kind))
+    r = (torch.randn(shape, device="cuda", generator=g) * 3).bfloat16()
+    w = (1 + 0.1 * torch.randn(k, device="cuda", generator=g)).bfloat16()
+    bias = None
+    if delta_kind == "tensor":
+        delta = torch.randn(shape, device="cuda", generator=g).bfloat16()
+        added = r + delta
+    else:
+        parts = torch.randn((1 if delta_kind == "one_split" else 3, m, k), device="cuda", generator=g)
+        bias = torch.randn(k, device="cuda", generator=g).bfloat16() if delta_kind.endswith("bias") else None
+        delta = parts
+        added = r + _split_sums_reference(parts, bias, r.dtype)
+    h, y, q, s = add_rmsnorm_quant_fp8(r, delta, w, 1e-6, bias=bias, scale_format=scale_format)
+    ry, rq, rs = rmsnorm_quant_fp8(added, w, 1e-6, scale_format=scale_format)
+    assert_bits_equal(h, added, "h")
+    assert_bits_equal(y, ry, "y")
+    assert_bits_equal(y, rmsnorm_reference(added, w, 1e-6), "y against the reference")
+    assert_bits_equal(q, rq, "q")
+    assert_bits_equal(s, rs, "scale")
+
+
+def test_add_rmsnorm_quant_refuses_mismatched_deltas():
+    from jetrl_trainer.kernels import add_rmsnorm_quant_fp8
+
+    r = torch.randn(4, 256, device="cuda").bfloat16()
+    w = torch.ones(256, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="delta must match residual"):
+        add_rmsnorm_quant_fp8(r, r.float(), w, 1e-6)
+    with pytest.raises(ValueError, match="split-K partial sums must be contiguous float32"):
+        add_rmsnorm_quant_fp8(r, torch.zeros(2, 4, 128, device="cuda"), w, 1e-6)
+    with pytest.raises(ValueError, match="bias goes with split-K partial sums only"):
+        add_rmsnorm_quant_fp8(r, r, w, 1e-6, bias=w)

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from .projections import GroupedProjection
+from .residual import ResidualStream
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "DecoderView", "unsupported_model_reason"]
 
@@ -82,6 +83,11 @@ def _is_gated_mlp(mlp: nn.Module) -> bool:
     return isinstance(mlp, FusedSwiGLUMLP) or type(mlp).__name__ in ("LlamaMLP", "Qwen2MLP", "Qwen3MLP")
 
 
+def _fuses_add(norm: nn.Module | None) -> bool:
+    """Whether ``norm`` can take a pending residual add with a projection's split sums in one launch."""
+    return norm is not None and hasattr(norm, "add_forward")
+
+
 def _down_from(mlp: nn.Module, gate: Tensor, up: Tensor) -> Tensor:
     """The MLP's forward from its gate/up outputs (computed in one launch by the engine)."""
     if hasattr(mlp, "down_from"):  # FusedSwiGLUMLP: the SwiGLU and its FP8 quant in one kernel
@@ -112,6 +118,10 @@ class DecoderView:
     # Per layer: q/k/v and gate/up as one FP8 decode launch each where they can (projections.py).
     qkv_groups: list = field(default_factory=list)
     mlp_groups: list = field(default_factory=list)
+    # Per layer: o_proj, and down_proj of a FusedSwiGLUMLP, as groups of one (their split sums feed
+    # the fused residual add + RMSNorm).
+    o_groups: list = field(default_factory=list)
+    down_groups: list = field(default_factory=list)
 
     @classmethod
     def from_model(cls, model: nn.Module) -> DecoderView:
@@ -133,23 +143,31 @@ class DecoderView:
                         for layer in inner.layers],
             mlp_groups=[GroupedProjection.of([layer.mlp.gate_proj, layer.mlp.up_proj]) if _is_gated_mlp(layer.mlp)
                         else None for layer in inner.layers],
+            o_groups=[GroupedProjection.of([layer.self_attn.o_proj]) if _fuses_add(layer.post_attention_layernorm)
+                      else None for layer in inner.layers],
+            down_groups=[GroupedProjection.of([layer.mlp.down_proj])
+                         if hasattr(layer.mlp, "activation") and _fuses_add(getattr(after, "input_layernorm", None)) else None
+                         for layer, after in zip(inner.layers, [*inner.layers[1:], None])],
         )  # fmt: skip
 
     def hidden_states(
         self, input_ids: Tensor, position_ids: Tensor, attend: Attend, *, rope_in_attend: bool = False,
-        grouped: bool = False,
+        grouped: bool = False, fused_residual: bool = False,
     ) -> Tensor:  # fmt: skip
         """The final-norm hidden states ``(B, T, hidden)``; the layers in HF's order of module calls.
 
         ``grouped``: q/k/v and gate/up run as one launch each where ``qkv_groups`` / ``mlp_groups``
-        can (decode M, FP8 `QuantLinear`s); the modules' own calls otherwise."""
-        h = self.embed(input_ids)
-        cos, sin = self.rotary(h, position_ids)
+        can (decode M, FP8 `QuantLinear`s); the modules' own calls otherwise. ``fused_residual``: each
+        residual add, with the o / down projection's split-K reduction, runs inside the next
+        `FusedRMSNorm` where it can (`residual.py`; the same bits). ``attend`` may return the
+        attention output already as ``(B, T, H * D)`` (with its FP8 quantization offered to o_proj)."""
+        residual = ResidualStream(self.embed(input_ids), fuse=fused_residual)
+        cos, sin = self.rotary(residual.h, position_ids)
         B, T = input_ids.shape
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             norms_in_attend = rope_in_attend and self.qk_norms and self.qk_norms[i] is not None
-            x = layer.input_layernorm(h)
+            x = residual.norm(layer.input_layernorm)
             qkv = self.qkv_groups[i](x) if grouped and self.qkv_groups and self.qkv_groups[i] else None
             q, k, v = qkv if qkv is not None else (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x))
             q = q.view(B, T, -1, self.head_dim)
@@ -164,12 +182,20 @@ class DecoderView:
             else:
                 q, k = self.apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
                 out = attend(i, q, k, v.transpose(1, 2))
-            out = out.transpose(1, 2).reshape(B, T, -1)  # (B, T, H * D)
-            h = h + attn.o_proj(out)
-            x = layer.post_attention_layernorm(h)
+            if out.dim() == 4:
+                out = out.transpose(1, 2).reshape(B, T, -1)  # (B, T, H * D)
+            split = fused_residual and self.o_groups and self.o_groups[i]
+            residual.add((split and split.split_sums(out)) or attn.o_proj(out))
+            x = residual.norm(layer.post_attention_layernorm)
             gate_up = self.mlp_groups[i](x) if grouped and self.mlp_groups and self.mlp_groups[i] else None
-            h = h + (layer.mlp(x) if gate_up is None else _down_from(layer.mlp, *gate_up))
-        return self.norm(h)
+            if gate_up is None:
+                residual.add(layer.mlp(x))
+            elif fused_residual and self.down_groups and self.down_groups[i]:
+                act = layer.mlp.activation(*gate_up)
+                residual.add(self.down_groups[i].split_sums(act) or layer.mlp.down_proj(act))
+            else:
+                residual.add(_down_from(layer.mlp, *gate_up))
+        return residual.norm(self.norm)
 
     def logits(self, hidden: Tensor) -> Tensor:
         """FP32 logits of ``hidden`` ``(..., hidden)`` (the LM head is never quantized)."""

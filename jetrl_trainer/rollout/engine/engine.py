@@ -33,6 +33,7 @@ from transformers import DynamicCache, GenerationConfig
 
 from jetrl_trainer._choices import KV_CACHE_DTYPES, check_choice
 from jetrl_trainer._hashing import M32, mix32
+from jetrl_trainer.quant._handoff import offer_prequantized
 
 from ..hf_generate import left_pad, position_ids_from_mask
 from .architecture import DecoderView
@@ -134,6 +135,10 @@ class DecodeEngine:
         # q/k/v and gate/up as one FP8 decode launch each in the kernel path (projections.py); False
         # calls the modules one by one (benchmarks).
         self.grouped_projections = True
+        # In the kernel path, each residual add and the o / down projections' split-K reductions run
+        # inside the next fused RMSNorm, and the attention kernel writes the o projection's FP8
+        # activation (residual.py; the same bits); False runs them as separate launches (benchmarks, tests).
+        self.fused_epilogues = True
         # The last generate call: wall seconds, the host's prefill seconds, the seconds spent capturing
         # CUDA graphs, how many were captured, and how often the running batch changed.
         self.last_stats: dict = {}
@@ -326,12 +331,21 @@ class DecodeEngine:
             scales = dict(k_scale=cache.k_scale[layer], v_scale=cache.v_scale[layer]) if cache.fp8 else {}
             q = rope_append(q[:, 0], k[:, 0], val[:, 0], cos[:, 0], sin[:, 0], k_cache, v_cache, slots, positions[:, 0],
                             qk_norms=v.qk_norms[layer] if v.qk_norms else None, **scales)  # fmt: skip
-            out = attention_kernel(q, k_cache, v_cache, slots, lengths, v.scaling, **scales, **self.attention_options)
-            return out[:, :, None]
+            o_proj = v.o_groups[layer] if self.fused_epilogues and v.o_groups else None
+            fmt = o_proj.input_scale_format() if o_proj is not None and q.shape[-1] == 128 else None
+            if fmt is None:
+                out = attention_kernel(q, k_cache, v_cache, slots, lengths, v.scaling, **scales, **self.attention_options)
+                return out[:, :, None]
+            # The o projection's 1x128 activation quant, written by the attention kernel (one group per head).
+            out, out_q, out_s = attention_kernel(q, k_cache, v_cache, slots, lengths, v.scaling, **scales,
+                                                 quantize_output=fmt, **self.attention_options)  # fmt: skip
+            flat = out.view(out.shape[0], 1, -1)  # (B, 1, H * D), the tensor o_proj receives
+            offer_prequantized(flat, out_q, out_s, fmt)
+            return flat
 
         if kernel:
             hidden = v.hidden_states(tokens[:, None], positions, attend_kernels, rope_in_attend=True,
-                                     grouped=self.grouped_projections)  # fmt: skip
+                                     grouped=self.grouped_projections, fused_residual=self.fused_epilogues)  # fmt: skip
         else:
             hidden = v.hidden_states(tokens[:, None], positions, attend)
         cache.lengths[slots] = lengths

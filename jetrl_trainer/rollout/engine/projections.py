@@ -8,6 +8,9 @@ forward, with the activation's 1×128 quantization the fused RMSNorm handed over
 operands and the math are the same as each module's own call; only the K split (the FP32
 summation order) may differ, which the engine's contract allows (architecture.py).
 
+A group of one (the o and down projections) can leave its output as split-K partial sums
+(`SplitSums`) for the next RMSNorm to reduce, together with the residual add (`residual.py`).
+
 Only plain FP8 `QuantLinear`s group (a peft LoRA layer adds adapters the kernel does not, a BF16
 recipe has no FP8 weight): anything else, and every call off CUDA or above decode M, returns None
 and the modules run one by one.
@@ -16,6 +19,7 @@ and the modules run one by one.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -26,7 +30,7 @@ from jetrl_trainer.quant.phase import current_phase
 from jetrl_trainer.quant.recipe import FP8Recipe
 from jetrl_trainer.quant.stats import record_gemm
 
-__all__ = ["GroupedProjection"]
+__all__ = ["GroupedProjection", "SplitSums"]
 
 
 class GroupedProjection:
@@ -45,6 +49,28 @@ class GroupedProjection:
         return cls(modules)
 
     def __call__(self, x: Tensor) -> list[Tensor] | None:
+        operands = self._operands(x)
+        if operands is None:
+            return None
+        module, pair, weights = operands
+        biases = [m.bias for m in self.modules] if self.modules[0].bias is not None else []
+        outs = module.fp8_decode_gemm_grouped(*pair, weights, biases, out_dtype=x.dtype)
+        return [y.view(*x.shape[:-1], y.shape[-1]) for y in outs]
+
+    def split_sums(self, x: Tensor) -> SplitSums | None:
+        """A one-module group's output left as its split-K partial sums, for a consumer that reduces
+        them itself (the fused residual add + RMSNorm, `residual.py`); None where the launch cannot run."""
+        if len(self.modules) != 1:
+            raise ValueError("split_sums is for a group of one projection.")
+        operands = self._operands(x)
+        if operands is None:
+            return None
+        module, pair, weights = operands
+        parts = module.fp8_decode_gemm_partials(*pair, *weights[0])
+        return SplitSums(parts, self.modules[0].bias, (*x.shape[:-1], parts.shape[-1]), x.dtype)
+
+    def _operands(self, x: Tensor) -> tuple | None:
+        """(decode-GEMM module, the activation's FP8 pair, the FP8 weights), or None."""
         phase = current_phase()
         recipes = [m.recipes[phase] for m in self.modules]
         if not all(isinstance(r, FP8Recipe) for r in recipes) or len({r.scale_format for r in recipes}) != 1:
@@ -55,10 +81,32 @@ class GroupedProjection:
             return None
         if torch.is_grad_enabled() and (x.requires_grad or any(m.weight.requires_grad for m in self.modules)):
             return None  # a rollout runs without autograd; a training forward keeps its own path
-        pair = act_quant_fp8(x2d, recipes[0].scale_format)  # serves the fused RMSNorm's pair when offered
+        pair = act_quant_fp8(x2d, recipes[0].scale_format)  # serves a fused producer's pair when offered
         weights = [m.quantized_weight(r) for m, r in zip(self.modules, recipes)]
         for r in recipes:
             record_gemm(phase, r.name)
-        biases = [m.bias for m in self.modules] if self.modules[0].bias is not None else []
-        outs = module.fp8_decode_gemm_grouped(*pair, weights, biases, out_dtype=x.dtype)
-        return [y.view(*x.shape[:-1], y.shape[-1]) for y in outs]
+        return module, pair, weights
+
+    def input_scale_format(self) -> str | None:
+        """The FP8 scale format the group quantizes its input with in the active phase, or None."""
+        recipe = self.modules[0].recipes[current_phase()]
+        return recipe.scale_format if isinstance(recipe, FP8Recipe) else None
+
+
+@dataclass
+class SplitSums:
+    """A decode GEMM's output as FP32 partial sums ``[S, M, N]`` not yet reduced (plus its bias)."""
+
+    parts: Tensor
+    bias: Tensor | None
+    shape: tuple[int, ...]  # the output's shape (..., N)
+    dtype: torch.dtype  # the output's dtype
+
+    def materialize(self) -> Tensor:
+        """The output itself: the splits added in order (+ bias) and rounded once, as the GEMM's reduction."""
+        acc = self.parts[0].clone()
+        for part in self.parts[1:]:
+            acc += part
+        if self.bias is not None:
+            acc += self.bias.float()
+        return acc.to(self.dtype).view(self.shape)
