@@ -43,6 +43,19 @@ def rms_divisor(x, k_float, eps, LEVELS: tl.constexpr):
 
 
 @triton.jit
+def _rmsnorm_quant_row(x_raw, row, cols, mask, K, k_float, eps, w_ptr, y_ptr, q_ptr, s_ptr, stride_ym, stride_qm,
+                       stride_sm, BLOCK_K: tl.constexpr, LEVELS: tl.constexpr, GROUP: tl.constexpr,
+                       UE8M0: tl.constexpr):  # fmt: skip
+    """Store ``y = w * (x / sqrt(mean(x²) + eps)).to(dtype)`` of the row ``x_raw`` and its quantization."""
+    x = x_raw.to(tl.float32)
+    h = tl.math.div_rn(x, rms_divisor(x, k_float, eps, LEVELS)).to(x_raw.dtype)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    y = (w.to(tl.float32) * h.to(tl.float32)).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + row * stride_ym + cols, y, mask=mask)
+    _store_quantized_row(y.to(tl.float32), row, K, q_ptr, s_ptr, stride_qm, stride_sm, BLOCK_K, GROUP, UE8M0)
+
+
+@triton.jit
 def rmsnorm_quant_kernel(
     x_ptr, w_ptr, y_ptr, q_ptr, s_ptr, K, k_float, eps, stride_xm, stride_ym, stride_qm, stride_sm,
     BLOCK_K: tl.constexpr, LEVELS: tl.constexpr, GROUP: tl.constexpr, UE8M0: tl.constexpr,
@@ -52,12 +65,8 @@ def rmsnorm_quant_kernel(
     cols = tl.arange(0, BLOCK_K)
     mask = cols < K
     x_raw = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0)
-    x = x_raw.to(tl.float32)
-    h = tl.math.div_rn(x, rms_divisor(x, k_float, eps, LEVELS)).to(x_raw.dtype)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    y = (w.to(tl.float32) * h.to(tl.float32)).to(y_ptr.dtype.element_ty)
-    tl.store(y_ptr + row * stride_ym + cols, y, mask=mask)
-    _store_quantized_row(y.to(tl.float32), row, K, q_ptr, s_ptr, stride_qm, stride_sm, BLOCK_K, GROUP, UE8M0)
+    _rmsnorm_quant_row(x_raw, row, cols, mask, K, k_float, eps, w_ptr, y_ptr, q_ptr, s_ptr, stride_ym, stride_qm,
+                       stride_sm, BLOCK_K, LEVELS, GROUP, UE8M0)  # fmt: skip
 
 
 @triton.jit
@@ -86,13 +95,8 @@ def add_rmsnorm_quant_kernel(
         d = acc.to(r_raw.dtype).to(tl.float32)
     h = (r_raw.to(tl.float32) + d).to(r_raw.dtype)
     tl.store(h_ptr + row * stride_hm + cols, h, mask=mask)
-    # rmsnorm_quant_kernel's body on h, inline (the form that ran on the GPU; a shared helper is to do).
-    x = h.to(tl.float32)
-    n = tl.math.div_rn(x, rms_divisor(x, k_float, eps, LEVELS)).to(r_raw.dtype)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    y = (w.to(tl.float32) * n.to(tl.float32)).to(y_ptr.dtype.element_ty)
-    tl.store(y_ptr + row * stride_ym + cols, y, mask=mask)
-    _store_quantized_row(y.to(tl.float32), row, K, q_ptr, s_ptr, stride_qm, stride_sm, BLOCK_K, GROUP, UE8M0)
+    _rmsnorm_quant_row(h, row, cols, mask, K, k_float, eps, w_ptr, y_ptr, q_ptr, s_ptr, stride_ym, stride_qm,
+                       stride_sm, BLOCK_K, LEVELS, GROUP, UE8M0)  # fmt: skip
 
 
 @triton.jit

@@ -109,15 +109,13 @@ def _decode_linear_op(
 def _launch(x: Tensor, x_s: Optional[Tensor], segments: list[tuple], scale_format: str, q: Tensor, s: Tensor,
             write_q: bool, partials: Optional[Tensor] = None) -> None:  # fmt: skip
     """The GEMM (and the split-K reduction) for ``segments``: one to three ``(w_q, w_s, bias, out)``.
-    ``partials`` (one segment, no bias): the FP32 ``[SPLITS, M, N]`` to write the split sums into,
-    unreduced (with one split the kernel writes its FP32 result there directly)."""
+    ``partials`` (one segment, no bias, its ``out`` = ``partials[0]``): the FP32 ``[SPLITS, M, N]`` to
+    write the split sums into, unreduced (with one split the kernel writes its FP32 result there)."""
     jit = load_jit("_triton_decode_gemm_jit")
     m, k = x.shape
     widths = [w_q.shape[0] for w_q, *_ in segments]
     cfg = plan(m, widths, k, sm_count(x.device))
     splits, quantize, has_bias = cfg["SPLITS"], x_s is None, segments[0][2] is not None
-    if partials is not None:
-        segments = [(segments[0][0], segments[0][1], None, partials[0])]
     # Segment 0 is the arguments of a single-weight launch; segments 1-2 follow (unused: segment 0's).
     args = [(w_q, w_s, bias if bias is not None else w_s, out, w_q.shape[0]) for w_q, w_s, bias, out in segments]
     w_q, w_s, bias, out, n = args[0]
