@@ -8,11 +8,17 @@ M = 8192 tokens. Two FP8 timings per layer:
 * ``weight_requantized``: the cache is invalidated every iteration, so the 128×128 weight quant is
   paid once per fwd+bwd — the cost of one training step per layer;
 * ``cuda_graph``: ``weight_requantized`` captured and replayed as one CUDA graph (no launch gaps).
+
+``--refresh`` times only the weight-cache refresh after an optimizer step (FP8 weight and dgrad's
+transposed copy, written into the cached tensors) against the way it ran before (fresh tensors
+copied over the cached ones), and the re-quantized fwd+bwd both ways, in one run.
 WGrad's ``dY.t()`` goes to the act-quant kernel as a strided view (no transposed copy).
 Target (issue 6): ≥ 1.4× BF16 (Jet-RL reports 1.54× for the actor update; moonshot ≥ 1.6×).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from torch import nn
@@ -73,13 +79,17 @@ def run() -> dict:
             "cpu_profile_k_proj": _cpu_profile(*QWEN3_8B["k_proj"])}
 
 
-def _requantized_fp8_step(n: int, k: int):
-    """One FP8 fwd+bwd of an [n, k] QuantLinear on M_TRAIN tokens, weight re-quantized every call."""
+def _fp8_layer(n: int, k: int):
+    """An [n, k] FP8 QuantLinear, its M_TRAIN-token input and output gradient."""
     lin = nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
     qlin = QuantLinear.from_linear(lin, {"train": "fp8", "rollout": "fp8"})
     x = torch.randn(M_TRAIN, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(M_TRAIN, n, device="cuda", dtype=torch.bfloat16)
-    return _step(qlin, x, dy, requantize=True)
+    return qlin, x, torch.randn(M_TRAIN, n, device="cuda", dtype=torch.bfloat16)
+
+
+def _requantized_fp8_step(n: int, k: int):
+    """One FP8 fwd+bwd of an [n, k] QuantLinear on M_TRAIN tokens, weight re-quantized every call."""
+    return _step(*_fp8_layer(n, k), requantize=True)
 
 
 def _cpu_profile(n: int, k: int, iters: int = 20) -> list[str]:
@@ -113,5 +123,44 @@ def _breakdown(n: int, k: int, iters: int = 5) -> dict:
     return dict(sorted(times.items(), key=lambda kv: -kv[1])[:14])
 
 
+@contextlib.contextmanager
+def _refresh_by_copy():
+    """The refresh as it ran before quantizing into the cache: fresh tensors, then copied over it."""
+    import jetrl_trainer.quant.linear as linear
+
+    saved = linear.weight_quant_fp8, linear.transpose_fp8_blocks
+    linear.weight_quant_fp8 = lambda w, scale_format="fp32", out=None: saved[0](w, scale_format)
+    linear.transpose_fp8_blocks = lambda q, s, out=None: saved[1](q, s)
+    try:
+        yield
+    finally:
+        linear.weight_quant_fp8, linear.transpose_fp8_blocks = saved
+
+
+def run_refresh() -> dict:
+    from jetrl_trainer.quant.recipe import get_recipe
+
+    recipe, rows = get_recipe("fp8"), []
+    for name, (n, k) in QWEN3_8B.items():
+        layer, x, dy = _fp8_layer(n, k)
+        step = _step(layer, x, dy, requantize=True)
+        step()  # fills both caches
+
+        def refresh(layer=layer):
+            invalidate_weight_caches()
+            layer.transposed_fp8_weight(recipe, layer.quantized_weight(recipe))
+
+        row = {"layer": name, "N": n, "K": k}
+        for mode, ctx in (("into_cache", contextlib.nullcontext), ("fresh_then_copy", _refresh_by_copy)):
+            with ctx():
+                row[f"refresh_{mode}_us"] = round(1000 * bench_ms(refresh), 1)
+                row[f"fwd_bwd_requantized_{mode}_ms"] = round(bench_ms(step), 3)
+        rows.append(row)
+    total = {key: round(sum(r[key] for r in rows), 3) for key in rows[0] if key.endswith(("_us", "_ms"))}
+    return {"environment": environment(), "M": M_TRAIN, "rows": rows, "all_seven_layers": total}
+
+
 if __name__ == "__main__":
-    dump(run())
+    import sys
+
+    dump(run_refresh() if "--refresh" in sys.argv[1:] else run())

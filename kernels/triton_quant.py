@@ -5,7 +5,8 @@ The references these kernels must reproduce are the pure-torch functions in ``qu
 ``torch.library.custom_op`` with a fake implementation, so it traces under ``torch.compile`` and
 can be captured in a CUDA graph: no host syncs, shapes only from metadata.
 
-Memory layouts (all outputs freshly allocated, row-major/contiguous):
+Memory layouts (outputs row-major/contiguous; ``weight_quant_fp8`` and ``transpose_fp8_blocks`` also
+write into given ``out`` tensors, which a weight-cache refresh uses):
 
 =========================  ======================================  ==================================
 function                   inputs                                  outputs
@@ -93,18 +94,22 @@ def act_quant_fp8(
 # --------------------------------------------------------------------------------------------
 # weight_quant_fp8: block x block tiles
 # --------------------------------------------------------------------------------------------
-@torch.library.custom_op("jetrl::weight_quant_fp8", mutates_args=(), device_types="cuda")
-def _weight_quant_op(w: torch.Tensor, block: int, scale_format: str) -> tuple[torch.Tensor, torch.Tensor]:
-    jit = load_jit("_triton_quant_jit")
+def _launch_weight_quant(w: torch.Tensor, q: torch.Tensor, s: torch.Tensor, block: int, scale_format: str) -> None:
     n, k = w.shape
-    q = torch.empty((n, k), dtype=_FP8, device=w.device)
-    s = torch.empty((cdiv(n, block), cdiv(k, block)), dtype=torch.float32, device=w.device)
     if n == 0 or k == 0:
-        return q, s
-    jit.weight_quant_kernel[(s.shape[0], s.shape[1])](
+        return
+    load_jit("_triton_quant_jit").weight_quant_kernel[(s.shape[0], s.shape[1])](
         w, q.view(torch.uint8), s, n, k, w.stride(0), q.stride(0), s.stride(0),
         BLOCK=block, UE8M0=scale_format == "ue8m0", num_warps=LAUNCH["weight"][0],
     )
+
+
+@torch.library.custom_op("jetrl::weight_quant_fp8", mutates_args=(), device_types="cuda")
+def _weight_quant_op(w: torch.Tensor, block: int, scale_format: str) -> tuple[torch.Tensor, torch.Tensor]:
+    n, k = w.shape
+    q = torch.empty((n, k), dtype=_FP8, device=w.device)
+    s = torch.empty((cdiv(n, block), cdiv(k, block)), dtype=torch.float32, device=w.device)
+    _launch_weight_quant(w, q, s, block, scale_format)
     return q, s
 
 
@@ -114,18 +119,42 @@ def _(w, block, scale_format):
     return w.new_empty((n, k), dtype=_FP8), w.new_empty((cdiv(n, block), cdiv(k, block)), dtype=torch.float32)
 
 
+# Writes into tensors it is given: a weight-cache refresh keeps its tensors (a captured CUDA graph
+# reads them) without a second pass copying a fresh result over them.
+@torch.library.custom_op("jetrl::weight_quant_fp8_into", mutates_args=("q", "s"), device_types="cuda")
+def _weight_quant_into_op(w: torch.Tensor, q: torch.Tensor, s: torch.Tensor, block: int, scale_format: str) -> None:
+    _launch_weight_quant(w, q, s, block, scale_format)
+
+
+def _check_out(out: tuple[torch.Tensor, torch.Tensor], like: torch.Tensor, shapes, dtypes, what: str) -> None:
+    for t, shape, dtype, name in zip(out, shapes, dtypes, ("first", "second")):
+        if tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device != like.device or not t.is_contiguous():
+            raise ValueError(
+                f"{what} out: the {name} tensor must be a contiguous {dtype} {tuple(shape)} on {like.device}; got "
+                f"{t.dtype} {tuple(t.shape)} on {t.device}{'' if t.is_contiguous() else ', not contiguous'}."
+            )
+
+
 def weight_quant_fp8(
-    w: torch.Tensor, *, block: int = 128, scale_format: str = "fp32"
-) -> tuple[torch.Tensor, torch.Tensor]:
+    w: torch.Tensor, *, block: int = 128, scale_format: str = "fp32",
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``block``×``block`` weight quantization; == ``quantize_fp8_blocks`` bit for bit.
 
     ``w`` is a CUDA tensor ``[N, K]`` (unit stride along K). Returns ``q [N, K] float8_e4m3fn`` and
-    ``s_inv [ceil(N/block), ceil(K/block)] float32`` (the dequantization multiplier), contiguous.
+    ``s_inv [ceil(N/block), ceil(K/block)] float32`` (the dequantization multiplier), contiguous:
+    fresh tensors, or ``out`` written in place and returned.
     """
     check_cuda_2d(w, "weight")
     check_group(block, "block")
     check_scale_format(scale_format)
-    return call_op(_weight_quant_op, _unit_stride(w), block, scale_format)
+    w = _unit_stride(w)
+    if out is None:
+        return call_op(_weight_quant_op, w, block, scale_format)
+    n, k = w.shape
+    _check_out(out, w, ((n, k), (cdiv(n, block), cdiv(k, block))), (_FP8, torch.float32), "weight_quant_fp8")
+    call_op(_weight_quant_into_op, w, out[0], out[1], block, scale_format)
+    return out[0], out[1]
 
 
 # --------------------------------------------------------------------------------------------
@@ -178,17 +207,21 @@ def requant_transpose_fp8(
 # --------------------------------------------------------------------------------------------
 # transpose_fp8_blocks: the DGrad operand (no re-quantization)
 # --------------------------------------------------------------------------------------------
-@torch.library.custom_op("jetrl::transpose_fp8_blocks", mutates_args=(), device_types="cuda")
-def _transpose_blocks_op(q: torch.Tensor, s_inv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    jit = load_jit("_triton_quant_jit")
+def _launch_transpose_blocks(q: torch.Tensor, qt: torch.Tensor) -> None:
     n, k = q.shape
-    qt = torch.empty((k, n), dtype=_FP8, device=q.device)
     if n and k:
         block_r, block_c, warps = LAUNCH["transpose"]
-        jit.transpose_u8_kernel[(cdiv(n, block_r), cdiv(k, block_c))](
+        load_jit("_triton_quant_jit").transpose_u8_kernel[(cdiv(n, block_r), cdiv(k, block_c))](
             q.view(torch.uint8), qt.view(torch.uint8), n, k, q.stride(0), qt.stride(0),
             BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps,
         )
+
+
+@torch.library.custom_op("jetrl::transpose_fp8_blocks", mutates_args=(), device_types="cuda")
+def _transpose_blocks_op(q: torch.Tensor, s_inv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    n, k = q.shape
+    qt = torch.empty((k, n), dtype=_FP8, device=q.device)
+    _launch_transpose_blocks(q, qt)
     # A fresh tensor even when the transpose is a no-op view (custom ops may not alias inputs).
     return qt, s_inv.t().clone(memory_format=torch.contiguous_format)
 
@@ -199,12 +232,27 @@ def _(q, s_inv):
     return q.new_empty((k, n)), s_inv.new_empty((s_inv.shape[1], s_inv.shape[0]))
 
 
-def transpose_fp8_blocks(q: torch.Tensor, s_inv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+@torch.library.custom_op("jetrl::transpose_fp8_blocks_into", mutates_args=("qt", "st"), device_types="cuda")
+def _transpose_blocks_into_op(q: torch.Tensor, s_inv: torch.Tensor, qt: torch.Tensor, st: torch.Tensor) -> None:
+    _launch_transpose_blocks(q, qt)
+    st.copy_(s_inv.t())
+
+
+def transpose_fp8_blocks(
+    q: torch.Tensor, s_inv: torch.Tensor, *, out: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q.t().contiguous(), s_inv.t().contiguous())`` for a 128×128-block FP8 weight.
 
     ``q [N, K] float8_e4m3fn``, ``s_inv [Nb, Kb] float32``; returns ``[K, N]`` and ``[Kb, Nb]``,
-    contiguous. Transposing a block grid needs no re-quantization, so the values are unchanged.
+    contiguous (fresh, or ``out`` written in place and returned). Transposing a block grid needs no
+    re-quantization, so the values are unchanged.
     """
     check_cuda_2d(q, "q", (_FP8,))
     check_cuda_2d(s_inv, "s_inv", (torch.float32,))
-    return call_op(_transpose_blocks_op, _unit_stride(q), s_inv)
+    q = _unit_stride(q)
+    if out is None:
+        return call_op(_transpose_blocks_op, q, s_inv)
+    shapes = ((q.shape[1], q.shape[0]), (s_inv.shape[1], s_inv.shape[0]))
+    _check_out(out, q, shapes, (_FP8, torch.float32), "transpose_fp8_blocks")
+    call_op(_transpose_blocks_into_op, q, s_inv, out[0], out[1])
+    return out[0], out[1]

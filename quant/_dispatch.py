@@ -77,12 +77,18 @@ def decode_linear_fp8(
     return module.fp8_decode_linear(x2d, w_q, w_s, bias, scale_format=scale_format, out_dtype=out_dtype)
 
 
-def weight_quant_fp8(w: torch.Tensor, scale_format: str = "fp32") -> Pair:
-    """``w [N, K]`` -> ``(q [N, K] fp8, s_inv [ceil(N/128), ceil(K/128)] fp32)``, 128×128 blocks."""
+def weight_quant_fp8(w: torch.Tensor, scale_format: str = "fp32", *, out: Optional[Pair] = None) -> Pair:
+    """``w [N, K]`` -> ``(q [N, K] fp8, s_inv [ceil(N/128), ceil(K/128)] fp32)``, 128×128 blocks.
+
+    ``out``: tensors of that layout to write into (and return); where the kernel cannot write them
+    (off CUDA, or ``out`` of another layout) the result is fresh and the caller keeps ``out`` as is.
+    """
     w = w.contiguous()
     fast = _kernel("weight_quant_fp8", w)
     if fast is not None:
-        return fast(w, scale_format=scale_format)
+        n, k = w.shape
+        into = out if out is not None and _layout_is(out, w.device, ((n, k), (-(-n // 128), -(-k // 128)))) else None
+        return fast(w, scale_format=scale_format, out=into)
     return quantize_fp8_blocks(w, 128, scale_format=scale_format)
 
 
@@ -95,9 +101,19 @@ def requant_transpose_fp8(q: torch.Tensor, s: torch.Tensor, scale_format: str = 
     return quantize_fp8_groups(dequantize_fp8_groups(q, s).t().contiguous(), 128, scale_format=scale_format)
 
 
-def transpose_fp8_blocks(q: torch.Tensor, s_inv: torch.Tensor) -> Pair:
-    """The DGrad operand: the same FP8 weight transposed with its block-scale grid, no re-quantization."""
+def transpose_fp8_blocks(q: torch.Tensor, s_inv: torch.Tensor, *, out: Optional[Pair] = None) -> Pair:
+    """The DGrad operand: the same FP8 weight transposed with its block-scale grid, no re-quantization
+    (``out`` as in `weight_quant_fp8`)."""
     fast = _kernel("transpose_fp8_blocks", q)
     if fast is not None:
-        return fast(q, s_inv)
+        shapes = ((q.shape[1], q.shape[0]), (s_inv.shape[1], s_inv.shape[0]))
+        return fast(q, s_inv, out=out if out is not None and _layout_is(out, q.device, shapes) else None)
     return q.t().contiguous(), s_inv.t().contiguous()
+
+
+def _layout_is(out: Pair, device: torch.device, shapes) -> bool:
+    """Whether ``out`` is an (FP8, FP32) pair of contiguous ``shapes`` on ``device``."""
+    return len(out) == 2 and all(
+        tuple(t.shape) == tuple(shape) and t.dtype == dtype and t.device == device and t.is_contiguous()
+        for t, shape, dtype in zip(out, shapes, (torch.float8_e4m3fn, torch.float32))
+    )

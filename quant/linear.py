@@ -20,7 +20,8 @@ cache key combines ``param._version``, ``data_ptr`` and a global generation bump
 ``torch.optim`` step (fused optimizers update parameters without bumping ``_version``). Code that
 mutates ``param.data`` directly (e.g. merging LoRA weights) should call
 :func:`invalidate_weight_caches`. A refresh writes into the cached tensors in place (same shapes),
-so a CUDA graph captured on them (the decode engine's) replays the updated weights.
+so a CUDA graph captured on them (the decode engine's) replays the updated weights; on CUDA the
+quant kernels write there directly (the CPU reference computes fresh tensors, copied over them).
 
 DGrad's operand, the FP8 weight transposed with its block-scale grid (exact: no re-quantization),
 is cached the same way (``cache_transposed_weight``, on by default): one transpose per optimizer
@@ -226,19 +227,23 @@ def _same_layout(old: tuple[torch.Tensor, ...], new: tuple[torch.Tensor, ...]) -
 
 
 def _cached(cache: dict, key: tuple, state: Optional[tuple], compute) -> tuple[tuple[torch.Tensor, ...], int]:
-    """``cache[key]`` if it was computed for ``state``, else ``compute()`` stored there; and 1 on a miss."""
+    """``cache[key]`` if it was computed for ``state``, else ``compute(stale)`` stored there; and 1 on a miss.
+
+    ``compute`` gets the stale tensors (or None) and may write the new values straight into them.
+    """
     hit = cache.get(key)
     if state is not None and hit is not None and hit[0] == state:
         return hit[1], 0
     # Normal tensors even inside inference_mode, so a cache filled during a rollout can be
     # saved for backward by the next training step; no autograd graph either way.
     with torch.inference_mode(False), torch.no_grad():
-        tensors = compute()
-        if hit is not None and _same_layout(hit[1], tensors):
+        stale = hit[1] if hit is not None else None
+        tensors = tuple(compute(stale))
+        if stale is not None and any(a is not b for a, b in zip(tensors, stale)) and _same_layout(stale, tensors):
             # Refresh in place: a CUDA graph captured on these tensors replays the new weights.
-            for old, new in zip(hit[1], tensors):
+            for old, new in zip(stale, tensors):
                 old.copy_(new)
-            tensors = hit[1]
+            tensors = stale
     if state is not None:
         cache[key] = (state, tensors)
     return tensors, 1
@@ -336,10 +341,11 @@ class QuantLinear(nn.Linear):
             return None
         return (_generation, version, w.data_ptr(), w.dtype, w.device, tuple(w.shape))
 
-    def _quantize_weight(self, recipe: Recipe) -> tuple[torch.Tensor, ...]:
+    def _quantize_weight(self, recipe: Recipe, out: Optional[tuple[torch.Tensor, ...]] = None) -> tuple[torch.Tensor, ...]:
         w = self.weight.detach()
         if isinstance(recipe, FP8Recipe):
-            return weight_quant_fp8(w, recipe.scale_format)
+            # Into ``out`` (the stale cache) where the kernel can: no fresh copy to copy over it.
+            return weight_quant_fp8(w, recipe.scale_format, out=out)
         return quantize_nvfp4(w, outer="tensor", four_over_six=recipe.four_over_six).tensors()
 
     def quantized_weight(self, recipe: Recipe) -> tuple[torch.Tensor, ...]:
@@ -357,7 +363,7 @@ class QuantLinear(nn.Linear):
             # key compares data pointers, which dynamo cannot trace; the bits are the same.
             return self._quantize_weight(recipe)
         tensors, missed = _cached(self._weight_cache, _weight_quant_key(recipe), self._state_key(),
-                                  lambda: self._quantize_weight(recipe))  # fmt: skip
+                                  lambda stale: self._quantize_weight(recipe, stale))  # fmt: skip
         self.weight_quantizations += missed
         return tensors
 
@@ -380,7 +386,7 @@ class QuantLinear(nn.Linear):
             return None
         w_q, w_s = weight if weight is not None else self.quantized_weight(recipe)
         tensors, missed = _cached(self._transposed_cache, _weight_quant_key(recipe), state,
-                                  lambda: transpose_fp8_blocks(w_q, w_s))  # fmt: skip
+                                  lambda stale: transpose_fp8_blocks(w_q, w_s, out=stale))  # fmt: skip
         self.weight_transposes += missed
         return tensors
 

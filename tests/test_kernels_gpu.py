@@ -116,6 +116,38 @@ def test_weight_quant_bit_exact(shape, dtype, scale_format):
 
 
 @pytest.mark.parametrize("scale_format", FORMATS)
+@pytest.mark.parametrize("shape", ((1, 1), (300, 500), (4096, 4096)))
+def test_weight_quant_and_transpose_write_into_given_tensors(shape, scale_format):
+    # What a weight-cache refresh does: the same bits as fresh outputs, in the tensors it already has.
+    from jetrl_trainer.kernels import transpose_fp8_blocks, weight_quant_fp8
+
+    w = (_activations(*shape, torch.float32, seed=shape[0] + 5) * 1e-3).to(torch.bfloat16)
+    want_q, want_s = weight_quant_fp8(w, scale_format=scale_format)
+    out = (torch.full_like(want_q, float("nan")), torch.full_like(want_s, float("nan")))
+    got = weight_quant_fp8(w, scale_format=scale_format, out=out)
+    assert got[0] is out[0] and got[1] is out[1]
+    assert_bits_equal(out[0], want_q, "q")
+    assert_bits_equal(out[1], want_s, "s_inv")
+    want_qt, want_st = transpose_fp8_blocks(want_q, want_s)
+    out_t = (torch.empty_like(want_qt), torch.empty_like(want_st))
+    got_t = transpose_fp8_blocks(want_q, want_s, out=out_t)
+    assert got_t[0] is out_t[0] and got_t[1] is out_t[1]
+    assert_bits_equal(out_t[0], want_qt, "qt")
+    assert_bits_equal(out_t[1], want_st, "st")
+
+
+def test_weight_quant_refuses_out_of_another_layout():
+    from jetrl_trainer.kernels import transpose_fp8_blocks, weight_quant_fp8
+
+    w = torch.randn(256, 384, device="cuda", dtype=torch.bfloat16)
+    q, s = weight_quant_fp8(w)
+    with pytest.raises(ValueError, match=r"contiguous torch.float32 \(2, 3\)"):
+        weight_quant_fp8(w, out=(q, s[:, :2]))
+    with pytest.raises(ValueError, match="not contiguous"):
+        transpose_fp8_blocks(q, s, out=(q.t(), s.t()))
+
+
+@pytest.mark.parametrize("scale_format", FORMATS)
 @pytest.mark.parametrize("shape", ((1, 1), (5, 64), (128, 128), (300, 200), (257, 4096), (8192, 1024)))
 def test_requant_transpose_bit_exact(shape, scale_format):
     from jetrl_trainer.kernels import requant_transpose_fp8
@@ -244,6 +276,8 @@ def test_custom_ops_pass_opcheck():
         (torch.ops.jetrl.weight_quant_fp8.default, (x, 128, "ue8m0")),
         (torch.ops.jetrl.requant_transpose_fp8.default, (q, s, 128, "fp32")),
         (torch.ops.jetrl.transpose_fp8_blocks.default, (wq, ws)),
+        (torch.ops.jetrl.weight_quant_fp8_into.default, (x, torch.empty_like(wq), torch.empty_like(ws), 128, "fp32")),
+        (torch.ops.jetrl.transpose_fp8_blocks_into.default, (wq, ws, torch.empty_like(wq.t()), torch.empty_like(ws.t()))),
         (torch.ops.jetrl.rmsnorm_quant_fp8.default, (x, torch.ones(256, device="cuda", dtype=torch.bfloat16), 1e-6, "fp32")),
         (torch.ops.jetrl.swiglu_quant_fp8.default, (x, x, "fp32")),
     ]

@@ -75,3 +75,31 @@ def test_gpu_matches_cpu_reference(backend, monkeypatch):
     for g, w, what in zip(got, want, ("y", "dx", "dw", "db")):
         assert g.dtype == w.dtype and g.shape == w.shape, what
         assert relative_error(g.cpu(), w) < 1e-2, (what, relative_error(g.cpu(), w))
+
+
+@pytest.mark.skipif(not triton_available(), reason="needs Triton")
+def test_weight_refresh_quantizes_straight_into_the_cache():
+    """After an optimizer step the FP8 weight and dgrad's transposed copy are rewritten where they
+    lie (a captured graph reads them): no fresh tensor is allocated and copied over, and the bits
+    equal a fresh quantization of the new weight."""
+    from jetrl_trainer.kernels import transpose_fp8_blocks, weight_quant_fp8
+    from jetrl_trainer.quant.recipe import get_recipe
+
+    layer, recipe = _layer("cuda", n_in=512, n_out=384), get_recipe("fp8")
+    opt = torch.optim.SGD(layer.parameters(), lr=0.5)
+    x = torch.randn(64, 512, device="cuda", dtype=torch.bfloat16)
+    layer(x).float().sum().backward()  # fills both caches
+    cached = layer.quantized_weight(recipe)
+    transposed = layer.transposed_fp8_weight(recipe, cached)
+    opt.step()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()["allocation.all.allocated"]
+    new = layer.quantized_weight(recipe)
+    new_t = layer.transposed_fp8_weight(recipe, new)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] == before  # written in place
+    assert all(a is b for a, b in zip(new + new_t, cached + transposed))
+    assert (layer.weight_quantizations, layer.weight_transposes) == (2, 2)
+    fresh = weight_quant_fp8(layer.weight.detach())
+    for got, want, what in zip(new + new_t, fresh + transpose_fp8_blocks(*fresh), ("q", "s", "qt", "st")):
+        assert_bits_equal(got, want, what)
