@@ -28,7 +28,7 @@ import torch
 
 from ._triton_support import call_op, cdiv, check_cuda_2d, check_group, check_scale_format, load_jit
 
-__all__ = ["act_quant_fp8", "requant_transpose_fp8", "transpose_fp8_blocks", "weight_quant_fp8"]
+__all__ = ["act_quant_fp8", "out_layout_error", "requant_transpose_fp8", "transpose_fp8_blocks", "weight_quant_fp8"]
 
 _FP8 = torch.float8_e4m3fn
 
@@ -126,13 +126,21 @@ def _weight_quant_into_op(w: torch.Tensor, q: torch.Tensor, s: torch.Tensor, blo
     _launch_weight_quant(w, q, s, block, scale_format)
 
 
-def _check_out(out: tuple[torch.Tensor, torch.Tensor], like: torch.Tensor, shapes, dtypes, what: str) -> None:
+def out_layout_error(out, like: torch.Tensor, shapes, dtypes=(_FP8, torch.float32)) -> str | None:
+    """Why ``out`` cannot take the ``(q, s)`` pair of ``shapes`` for ``like``'s device, or None if it can."""
+    if len(out) != len(shapes):
+        return f"{len(out)} tensors, not {len(shapes)}"
     for t, shape, dtype, name in zip(out, shapes, dtypes, ("first", "second")):
         if tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device != like.device or not t.is_contiguous():
-            raise ValueError(
-                f"{what} out: the {name} tensor must be a contiguous {dtype} {tuple(shape)} on {like.device}; got "
-                f"{t.dtype} {tuple(t.shape)} on {t.device}{'' if t.is_contiguous() else ', not contiguous'}."
-            )
+            return (f"the {name} tensor must be a contiguous {dtype} {tuple(shape)} on {like.device}; got "
+                    f"{t.dtype} {tuple(t.shape)} on {t.device}{'' if t.is_contiguous() else ', not contiguous'}")  # fmt: skip
+    return None
+
+
+def _check_out(out, like: torch.Tensor, shapes, what: str) -> None:
+    error = out_layout_error(out, like, shapes)
+    if error is not None:
+        raise ValueError(f"{what} out: {error}.")
 
 
 def weight_quant_fp8(
@@ -152,7 +160,7 @@ def weight_quant_fp8(
     if out is None:
         return call_op(_weight_quant_op, w, block, scale_format)
     n, k = w.shape
-    _check_out(out, w, ((n, k), (cdiv(n, block), cdiv(k, block))), (_FP8, torch.float32), "weight_quant_fp8")
+    _check_out(out, w, ((n, k), (cdiv(n, block), cdiv(k, block))), "weight_quant_fp8")
     call_op(_weight_quant_into_op, w, out[0], out[1], block, scale_format)
     return out[0], out[1]
 
@@ -253,6 +261,6 @@ def transpose_fp8_blocks(
     if out is None:
         return call_op(_transpose_blocks_op, q, s_inv)
     shapes = ((q.shape[1], q.shape[0]), (s_inv.shape[1], s_inv.shape[0]))
-    _check_out(out, q, shapes, (_FP8, torch.float32), "transpose_fp8_blocks")
+    _check_out(out, q, shapes, "transpose_fp8_blocks")
     call_op(_transpose_blocks_into_op, q, s_inv, out[0], out[1])
     return out[0], out[1]

@@ -87,8 +87,7 @@ def weight_quant_fp8(w: torch.Tensor, scale_format: str = "fp32", *, out: Option
     fast = _kernel("weight_quant_fp8", w)
     if fast is not None:
         n, k = w.shape
-        into = out if out is not None and _layout_is(out, w.device, ((n, k), (-(-n // 128), -(-k // 128)))) else None
-        return fast(w, scale_format=scale_format, out=into)
+        return fast(w, scale_format=scale_format, out=_fitting(out, w, ((n, k), (-(-n // 128), -(-k // 128)))))
     return quantize_fp8_blocks(w, 128, scale_format=scale_format)
 
 
@@ -107,13 +106,12 @@ def transpose_fp8_blocks(q: torch.Tensor, s_inv: torch.Tensor, *, out: Optional[
     fast = _kernel("transpose_fp8_blocks", q)
     if fast is not None:
         shapes = ((q.shape[1], q.shape[0]), (s_inv.shape[1], s_inv.shape[0]))
-        return fast(q, s_inv, out=out if out is not None and _layout_is(out, q.device, shapes) else None)
+        return fast(q, s_inv, out=_fitting(out, q, shapes))
     return q.t().contiguous(), s_inv.t().contiguous()
 
 
-def _layout_is(out: Pair, device: torch.device, shapes) -> bool:
-    """Whether ``out`` is an (FP8, FP32) pair of contiguous ``shapes`` on ``device``."""
-    return len(out) == 2 and all(
-        tuple(t.shape) == tuple(shape) and t.dtype == dtype and t.device == device and t.is_contiguous()
-        for t, shape, dtype in zip(out, shapes, (torch.float8_e4m3fn, torch.float32))
-    )
+def _fitting(out: Optional[Pair], like: torch.Tensor, shapes) -> Optional[Pair]:
+    """``out`` if the kernel can write the pair of ``shapes`` into it (its own check), else None."""
+    if out is None:
+        return None
+    return out if _kernel("out_layout_error", like)(out, like, shapes) is None else None

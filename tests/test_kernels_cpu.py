@@ -175,3 +175,18 @@ def test_custom_op_fake_shapes_on_meta():
     assert y.dtype == torch.float32 and s2.shape == (300, 5)
     out = torch.ops.jetrl.triton_fp8_gemm_nt(q, s, wq[:, :520], torch.empty(300, 5, device="meta"), False, torch.bfloat16)
     assert out.shape == (300, 300) and out.dtype == torch.bfloat16
+
+
+def test_out_layout_error_names_what_cannot_take_a_quantized_pair():
+    # The one check behind weight_quant_fp8 / transpose_fp8_blocks(out=): the kernel refuses with it, and
+    # the dispatcher uses it to fall back to fresh tensors (a moved or re-shaped weight).
+    from jetrl_trainer.kernels.triton_quant import out_layout_error
+
+    w = torch.randn(256, 384)
+    q, s = quantize_fp8_blocks(w)
+    shapes = ((256, 384), (2, 3))
+    assert out_layout_error((q, s), w, shapes) is None
+    assert "contiguous torch.float32 (2, 3)" in out_layout_error((q, s[:, :2]), w, shapes)
+    assert "not contiguous" in out_layout_error((q.t(), s.t()), w, ((384, 256), (3, 2)))
+    assert "torch.float8_e4m3fn" in out_layout_error((q.float(), s), w, shapes)
+    assert "1 tensors, not 2" in out_layout_error((q,), w, shapes)
