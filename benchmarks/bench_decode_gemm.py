@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from _common import bench_graph_ms, copy_bandwidth_gbs, dump, environment
 
+from jetrl_trainer import kernels
 from jetrl_trainer.kernels import fp8_gemm_nt
 from jetrl_trainer.kernels import triton_decode_gemm as dg
 from jetrl_trainer.quant._dispatch import act_quant_fp8, decode_linear_fp8, weight_quant_fp8
@@ -101,7 +102,9 @@ def measure_grouped(m: int, widths: tuple[int, ...], k: int, gbs: float) -> dict
     return row
 
 
-SWEEP_KEYS = ("BLOCK_N", "WAVES", "SWAP_BELOW_M", "num_warps", "num_stages", "MIN_GROUPS_PER_SPLIT")
+SWEEP_KEYS = ("BLOCK_N", "WAVES", "SWAP_BELOW_M", "num_warps", "num_stages", "MIN_GROUPS_PER_SPLIT", "MAX_BLOCK_M",
+              "PREFETCH_GROUPS", "PDL")  # fmt: skip
+# PDL is not a LAUNCH key: 1 runs the timed launches under kernels.programmatic_dependent_launch().
 
 
 def parse_grid(text: str) -> dict[str, tuple[int, ...]]:
@@ -120,11 +123,13 @@ def sweep(ms: list[int], gbs: float, grouped: bool = False, grid_override: dict 
     activation, as the engine's fused producers hand it over); ``grouped``: the engine's grouped
     q/k/v and gate/up launches and the o / down projections, the launches of a decode step.
     ``grid_override`` replaces the values swept for some keys (the others keep the default grid)."""
-    base = dict(dg.LAUNCH)
+    shipped_launch = dict(dg.LAUNCH)
+    base = dict(shipped_launch, PDL=0)
     keys = SWEEP_KEYS
-    axes = dict(zip(keys, ((64, 128), (1, 2, 4), (0, 128), (4,), (3, 4), (1, 4))))
+    shipped = (base["MAX_BLOCK_M"],), (base["PREFETCH_GROUPS"],), (0,)
+    axes = dict(zip(keys, ((64, 128), (1, 2, 4), (0, 128), (4,), (3, 4), (1, 4), *shipped)))
     if grouped:  # always swapped (the shipped choice below 64 rows); split lengths around the shipped 4
-        axes = dict(zip(keys, ((64, 128), (1, 2, 4), (128,), (4,), (3, 4), (2, 4, 8))))
+        axes = dict(zip(keys, ((64, 128), (1, 2, 4), (128,), (4,), (3, 4), (2, 4, 8), *shipped)))
     axes.update(grid_override or {})
     grid = list(itertools.product(*(axes[k] for k in keys)))
     grid.append(tuple(base[k] for k in keys))  # the shipped launch is always timed
@@ -143,20 +148,24 @@ def sweep(ms: list[int], gbs: float, grouped: bool = False, grid_override: dict 
             call = lambda: dg.fp8_decode_gemm_nt(x_q, x_s, *wq[0])  # noqa: E731
         results = []
         for values in grid:
-            dg.LAUNCH.update(zip(keys, values))
+            launch = dict(zip(keys, values))
+            pdl = kernels.programmatic_dependent_launch(bool(launch.pop("PDL")))
+            dg.LAUNCH.update(launch)
             try:
-                us = bench_graph_ms(call) * 1e3
+                with pdl:
+                    us = bench_graph_ms(call) * 1e3
             except Exception as exc:  # a launch the GPU cannot run (shared memory): skip it
                 results.append((float("inf"), values, type(exc).__name__))
                 continue
             results.append((us, values, None))
         dg.LAUNCH.clear()
-        dg.LAUNCH.update(base)
+        dg.LAUNCH.update(shipped_launch)
         results.sort(key=lambda r: r[0])
         us, launch, _ = results[0]
         default = next((r[0] for r in results if r[1] == tuple(base[k] for k in keys)), float("nan"))
         best.append(dict(shape=name, m=m, best_us=round(us, 2), best=dict(zip(keys, launch)), default_us=round(default, 2),
                          best_bw_frac=round((n * k + 2 * m * k + 2 * m * n) / (us * 1e-6) / 1e9 / gbs, 3),
+                         best_tflops=round(2 * m * n * k / (us * 1e-6) / 1e12, 1),
                          runners_up=[(round(r[0], 2), r[1]) for r in results[1:4]]))  # fmt: skip
         print(best[-1], flush=True)
     return best

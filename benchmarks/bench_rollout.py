@@ -26,6 +26,7 @@ from _common import copy_bandwidth_gbs, dump, environment, profile_kernels
 from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
 from jetrl_trainer.kernels import available_gemm_backends, use_gemm_backend
+from jetrl_trainer.kernels import triton_decode_gemm as dg
 from jetrl_trainer.quant import QuantLinear, precision_phase, quantize_model
 from jetrl_trainer.rollout import generate_with_logprobs, left_pad
 from jetrl_trainer.rollout.engine import DecodeEngine
@@ -122,6 +123,9 @@ VARIANTS = {
     # Without the fused epilogues (residual adds and split-K reductions in the next RMSNorm, the o
     # projection's act quant in attention): the code of 2026-12-02's runs 10-14.
     "unfused_epilogues": dict(attention={}, fuse_qk_norms=True, min_groups_per_split=None, fused_epilogues=False),
+    # The decode step's Triton kernels with programmatic dependent launch and the GEMMs' weight prefetch.
+    "pdl": dict(attention={}, fuse_qk_norms=True, min_groups_per_split=None, pdl=True),
+    "pdl_no_prefetch": dict(attention={}, fuse_qk_norms=True, min_groups_per_split=None, pdl=True, prefetch_groups=0),
 }
 VARIANT = VARIANTS["shipped"]
 
@@ -132,6 +136,7 @@ def new_engine(model, **kwargs) -> DecodeEngine:
     engine.look_ahead = VARIANT.get("look_ahead", True)
     engine.grouped_projections = VARIANT.get("grouped", True)
     engine.fused_epilogues = VARIANT.get("fused_epilogues", True)
+    engine.programmatic_dependent_launch = VARIANT.get("pdl", False)
     if not VARIANT["fuse_qk_norms"]:
         engine.view.qk_norms = []  # the q/k norm modules run on their own, as before the fused launch
     return engine
@@ -139,16 +144,16 @@ def new_engine(model, **kwargs) -> DecodeEngine:
 
 @contextlib.contextmanager
 def engine_variant(name: str):
-    from jetrl_trainer.kernels import triton_decode_gemm as dg
-
     global VARIANT
-    saved, saved_min = VARIANT, dg.LAUNCH["MIN_GROUPS_PER_SPLIT"]
+    saved, saved_launch = VARIANT, dict(dg.LAUNCH)
     VARIANT = VARIANTS[name]
-    dg.LAUNCH["MIN_GROUPS_PER_SPLIT"] = VARIANT["min_groups_per_split"] or saved_min
+    dg.LAUNCH["MIN_GROUPS_PER_SPLIT"] = VARIANT["min_groups_per_split"] or saved_launch["MIN_GROUPS_PER_SPLIT"]
+    dg.LAUNCH["PREFETCH_GROUPS"] = VARIANT.get("prefetch_groups", saved_launch["PREFETCH_GROUPS"])
     try:
         yield
     finally:
-        VARIANT, dg.LAUNCH["MIN_GROUPS_PER_SPLIT"] = saved, saved_min
+        VARIANT = saved
+        dg.LAUNCH.update(saved_launch)
 
 
 def warm_up(model, ps, config, batch: int, kv_cache_dtype: str) -> None:
@@ -243,7 +248,18 @@ def kernel_breakdown(step, steps: int = 3) -> dict:
     )
 
 
-PROFILED = ("bf16", "fp8", "fp8_unfused", "fp8_ungrouped", "fp8_general")
+PROFILED = ("bf16", "bf16_pdl", "fp8", "fp8_pdl", "fp8_unfused", "fp8_ungrouped", "fp8_general")
+# Also accepted by --profile: "fp8_pdl_p<N>", fp8_pdl with the decode GEMMs prefetching N weight groups.
+
+
+@contextlib.contextmanager
+def _launch_setting(key: str, value):
+    saved = dg.LAUNCH[key]
+    dg.LAUNCH[key] = value
+    try:
+        yield
+    finally:
+        dg.LAUNCH[key] = saved
 
 
 def profile_step(model, batch: int, new: int, precisions: tuple[str, ...] = PROFILED) -> dict:
@@ -259,10 +275,15 @@ def profile_step(model, batch: int, new: int, precisions: tuple[str, ...] = PROF
     general = "scaled_mm" if "scaled_mm" in available_gemm_backends("cuda") else "triton"
     for precision in precisions:
         forced = use_gemm_backend(general) if precision == "fp8_general" else contextlib.nullcontext()
-        with torch.no_grad(), precision_phase("train" if precision == "bf16" else "rollout"), forced:
+        prefetch = dg.LAUNCH["PREFETCH_GROUPS"]
+        if precision.startswith("fp8_pdl_p"):
+            prefetch = int(precision.removeprefix("fp8_pdl_p"))
+        with torch.no_grad(), precision_phase("train" if precision.startswith("bf16") else "rollout"), forced, \
+                _launch_setting("PREFETCH_GROUPS", prefetch):  # fmt: skip
             engine = DecodeEngine(model)
             engine.grouped_projections = precision != "fp8_ungrouped"
             engine.fused_epilogues = precision not in ("fp8_unfused", "fp8_ungrouped")
+            engine.programmatic_dependent_launch = "_pdl" in precision
             v = engine.view
             cache = KVCache(num_layers=len(v.layers), num_slots=batch + 1, max_len=PROMPT + new,
                             num_kv_heads=v.num_kv_heads, head_dim=v.head_dim, dtype=v.dtype, device=v.device)

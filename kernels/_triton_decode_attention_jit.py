@@ -17,7 +17,7 @@ of the ``[B, H·D]`` output): the o projection's activation quant costs no launc
 import triton
 import triton.language as tl
 
-from jetrl_trainer.kernels._triton_quant_jit import _amax, _fp8_bits, _scale_from_amax
+from jetrl_trainer.kernels._triton_quant_jit import _amax, _fp8_bits, _scale_from_amax, pdl_enter
 
 
 @triton.jit
@@ -47,8 +47,9 @@ def decode_attention_split_kernel(
     stride_ss, stride_sh, stride_ob, stride_oh,
     GROUPS: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr,
     PRECISION: tl.constexpr, KV_FP8: tl.constexpr, FLASH_ORDER: tl.constexpr, DIRECT: tl.constexpr,
-    H: tl.constexpr, QUANT: tl.constexpr, UE8M0: tl.constexpr,
+    H: tl.constexpr, QUANT: tl.constexpr, UE8M0: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_enter(PDL)
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     length = tl.load(lengths_ptr + b).to(tl.int32)
     slot = tl.load(slots_ptr + b).to(tl.int64)
@@ -115,8 +116,9 @@ def decode_attention_reduce_kernel(
     m_ptr, l_ptr, acc_ptr, out_ptr, oq_ptr, os_ptr,
     stride_mb, stride_mh, stride_ab, stride_ah, stride_as, stride_ob, stride_oh,
     m_scale, SPLITS: tl.constexpr, S_PAD: tl.constexpr, D: tl.constexpr, FLASH_ORDER: tl.constexpr,
-    H: tl.constexpr, QUANT: tl.constexpr, UE8M0: tl.constexpr,
+    H: tl.constexpr, QUANT: tl.constexpr, UE8M0: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_enter(PDL)
     b, h = tl.program_id(0), tl.program_id(1)
     s = tl.arange(0, S_PAD)
     s_ok = s < SPLITS

@@ -6,17 +6,21 @@ quantization of the activation computed in the prologue (``QUANTIZE``) by the ve
 
 ``SWAP`` computes the product transposed, ``acc [BLOCK_N, BLOCK_M] = W_tile @ q(x)_tileᵀ``: at
 decode M is 1–64, too small for the MMA's M dimension (64 on Hopper) but fine for its N dimension,
-while BLOCK_N rows of W fill the MMA. K is split over ``grid[1]`` programs so that a GEMM with few
+while BLOCK_N rows of W fill the MMA. K is split over ``grid[2]`` programs so that a GEMM with few
 N tiles still streams W from every SM. Partial sums go to an FP32 workspace that
 ``splitk_reduce_kernel`` adds in split order: deterministic, no atomics, graph-capturable. (A
 variant where the last program of a tile to arrive did the reduction, found by a per-tile counter,
 measured no faster inside CUDA graphs on the H200, so the simpler second launch stays.)
+
+``PDL`` (programmatic dependent launch): the weight does not depend on the kernel before, so each
+program first asks L2 for its first ``PREFETCH_GROUPS`` weight tiles, and only then waits for that
+kernel; the weight stream starts while the previous launch drains.
 """
 
 import triton
 import triton.language as tl
 
-from jetrl_trainer.kernels._triton_quant_jit import _amax, _fp8_bits, _scale_from_amax
+from jetrl_trainer.kernels._triton_quant_jit import _amax, _fp8_bits, _scale_from_amax, pdl_enter, prefetch_l2
 
 
 @triton.jit
@@ -27,14 +31,17 @@ def fp8_decode_gemm_kernel(
     GROUPS_PER_SPLIT: tl.constexpr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     QUANTIZE: tl.constexpr, SWAP: tl.constexpr, HAS_BIAS: tl.constexpr,
     WRITE_Q: tl.constexpr, UE8M0: tl.constexpr, SEGMENTS: tl.constexpr,
+    PDL: tl.constexpr = False, PREFETCH_GROUPS: tl.constexpr = 0,
 ):
     """``SEGMENTS`` > 1: one launch for two or three weights that share the activation (q/k/v,
     gate/up). Segment ``s`` (weight ``[N_s, K]`` contiguous, output ``[M, N_s]`` contiguous) owns
     ``cdiv(N_s, BLOCK_N)`` consecutive N tiles; in the partial sums it sits at column offset
     ``N_0 + ... + N_{s-1}`` of ``N_0 + N_1 + N_2`` columns."""
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    pid_m = tl.program_id(2)
+    # M tiles vary fastest in launch order, so the programs that share a weight tile run side by side
+    # and read it from HBM once (M > BLOCK_M: large decode batches).
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     n_total = N
     col0 = pid_n * 0  # a tensor, not a constexpr: it is rebound inside a runtime branch
     if SEGMENTS > 1:  # find this tile's segment; rebind its operands (segment 0 keeps the arguments)
@@ -57,6 +64,11 @@ def fp8_decode_gemm_kernel(
     rows_x = tl.where(m_ok, offs_m, 0).to(tl.int64)
     rows_w = tl.where(offs_n < N, offs_n, 0).to(tl.int64)  # clamp, not mask: no branch in the K loop
     n_groups = tl.cdiv(K, 128)
+    if PDL:  # the weight is no other kernel's output: stream it before waiting (one 128-byte line per row)
+        for i in tl.static_range(PREFETCH_GROUPS):  # at most GROUPS_PER_SPLIT (the host clamps it)
+            g = tl.minimum(pid_k * GROUPS_PER_SPLIT + i, n_groups - 1)
+            prefetch_l2(w_ptr + rows_w * stride_wn + g * 128)
+    pdl_enter(PDL)
 
     if SWAP:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -105,9 +117,11 @@ def fp8_decode_gemm_kernel(
 def splitk_reduce_kernel(
     part_ptr, bias_ptr, out_ptr, M, N, stride_om, bias1_ptr, out1_ptr, N1, bias2_ptr, out2_ptr, N2,
     SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, SEGMENTS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """out [M, N] = sum over splits of part [SPLITS, M, N] (+ bias), in split order, rounded once.
     With ``SEGMENTS`` > 1 the partials hold ``N + N1 + N2`` columns, written to the segments' outputs."""
+    pdl_enter(PDL)
     n_total = N + N1 + N2 if SEGMENTS > 1 else N
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M * n_total

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
-from jetrl_trainer.kernels._triton_quant_jit import _amax, _fp8_bits, _scale_from_amax
+from jetrl_trainer.kernels._triton_quant_jit import _amax, _fp8_bits, _scale_from_amax, pdl_enter
 
 
 @triton.jit
@@ -59,8 +59,10 @@ def _rmsnorm_quant_row(x_raw, row, cols, mask, K, k_float, eps, w_ptr, y_ptr, q_
 def rmsnorm_quant_kernel(
     x_ptr, w_ptr, y_ptr, q_ptr, s_ptr, K, k_float, eps, stride_xm, stride_ym, stride_qm, stride_sm,
     BLOCK_K: tl.constexpr, LEVELS: tl.constexpr, GROUP: tl.constexpr, UE8M0: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """One row per program: y = w * (x / sqrt(mean(x²) + eps)).to(dtype); q, s = quant(y)."""
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_K)
     mask = cols < K
@@ -74,12 +76,13 @@ def add_rmsnorm_quant_kernel(
     r_ptr, d_ptr, bias_ptr, w_ptr, h_ptr, y_ptr, q_ptr, s_ptr, M, K, k_float, eps,
     stride_rm, stride_dm, stride_hm, stride_ym, stride_qm, stride_sm,
     PARTS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_K: tl.constexpr, LEVELS: tl.constexpr, GROUP: tl.constexpr,
-    UE8M0: tl.constexpr,
+    UE8M0: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """One row per program: the residual add ``h = (r + d).to(dtype)``, stored, then ``rmsnorm_quant_kernel``
     of ``h``. ``d`` is a tensor in ``r``'s dtype (``PARTS`` = 0), or the split-K partial sums
     ``[PARTS, M, K]`` (FP32, contiguous) of a decode GEMM, added in split order (+ bias) and rounded
     once, as ``splitk_reduce_kernel`` does: the same bits as that reduction, then torch's add."""
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_K)
     mask = cols < K
@@ -103,8 +106,10 @@ def add_rmsnorm_quant_kernel(
 def swiglu_quant_kernel(
     g_ptr, u_ptr, h_ptr, q_ptr, s_ptr, M, K, stride_gm, stride_um, stride_hm, stride_qm, stride_sm,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, GROUPS_PER_PROG: tl.constexpr, UE8M0: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """h = (silu(g).to(dtype) * u).to(dtype); q, s = quant(h); one [BLOCK_M, GROUPS_PER_PROG*GROUP] tile."""
+    pdl_enter(PDL)
     pid_m = tl.program_id(0)
     pid_g = tl.program_id(1)
     rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)

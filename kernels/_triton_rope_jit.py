@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from jetrl_trainer.kernels._triton_fused_jit import rms_divisor
-from jetrl_trainer.kernels._triton_quant_jit import _amax, _fp8_bits, _scale_from_amax
+from jetrl_trainer.kernels._triton_quant_jit import _amax, _fp8_bits, _scale_from_amax, pdl_enter
 
 
 @triton.jit
@@ -54,7 +54,9 @@ def rope_append_kernel(
     stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_cb, stride_sb, stride_ob, stride_oh,
     stride_kcs, stride_kch, stride_kct, stride_vcs, stride_vch, stride_vct, stride_ss, stride_sh,
     H: tl.constexpr, D: tl.constexpr, KV_FP8: tl.constexpr, NORM: tl.constexpr, LEVELS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     d = tl.arange(0, D)

@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._triton_support import call_op, cdiv, check_scale_format, load_jit, sm_count
+from ._triton_support import call_op, cdiv, check_scale_format, load_jit, pdl_launch, sm_count
 from .triton_rope_append import check_kv_scales
 
 __all__ = ["decode_attention", "decode_attention_reference", "plan_splits"]
@@ -94,6 +94,7 @@ def _decode_attention_op(
     out_q = dict(H=H, QUANT=quant, UE8M0=quant_format == "ue8m0")
     fp8 = k_scale is not None
     direct = splits == 1 and DIRECT_SINGLE_SPLIT
+    pdl = pdl_launch(q.device)
     jit.decode_attention_split_kernel[(B, h_kv, splits)](
         q, k_cache, v_cache, slots, lengths, m, l, acc, k_scale if fp8 else m, v_scale if fp8 else m, out,
         oq.view(torch.uint8), os_, scale,
@@ -103,14 +104,14 @@ def _decode_attention_op(
         k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0, out.stride(0), out.stride(1),
         GROUPS=groups, G_PAD=max(16, 1 << (groups - 1).bit_length()), D=D, BLOCK_N=block_n, TILES=tiles,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # FP32 caches: no silent TF32
-        KV_FP8=fp8, FLASH_ORDER=flash_order, DIRECT=direct, num_warps=4, **out_q,
+        KV_FP8=fp8, FLASH_ORDER=flash_order, DIRECT=direct, num_warps=4, **out_q, **pdl,
     )  # fmt: skip
     if direct:
         return out, oq, os_
     jit.decode_attention_reduce_kernel[(B, H)](
         m, l, acc, out, oq.view(torch.uint8), os_, m.stride(0), m.stride(1), acc.stride(0), acc.stride(1), acc.stride(2),
         out.stride(0), out.stride(1), float(scale) * 1.4426950408889634, SPLITS=splits,
-        S_PAD=max(2, 1 << (splits - 1).bit_length()), D=D, FLASH_ORDER=flash_order, num_warps=4, **out_q,
+        S_PAD=max(2, 1 << (splits - 1).bit_length()), D=D, FLASH_ORDER=flash_order, num_warps=4, **out_q, **pdl,
     )  # fmt: skip
     return out, oq, os_
 

@@ -42,7 +42,7 @@ from torch import Tensor
 
 from jetrl_trainer._choices import FLOAT_DTYPES, check_choice
 
-from ._triton_support import call_op, cdiv, check_scale_format, load_jit, sm_count
+from ._triton_support import call_op, cdiv, check_scale_format, load_jit, pdl_launch, sm_count
 
 __all__ = [
     "DECODE_MAX_M", "PROLOGUE_MAX_M", "fp8_decode_gemm_grouped", "fp8_decode_gemm_nt", "fp8_decode_gemm_partials",
@@ -63,7 +63,10 @@ DECODE_MAX_M = 64
 # M = 16 and 8.7 -> 6.1 us at M = 64 on 2026-12-02; fewer, longer programs (one per SM) were
 # slower on the 4096 x 12288 down projection (22.9 -> 31.0 us at M = 64), so WAVES stays 2.
 # MAX_BLOCK_M bounds the M tile (a benchmark knob for M > 64, where DECODE_MAX_M sends QuantLinear elsewhere).
-LAUNCH = dict(BLOCK_N=64, WAVES=2, MIN_GROUPS_PER_SPLIT=4, SWAP_BELOW_M=64, num_warps=4, num_stages=3, MAX_BLOCK_M=64)
+# PREFETCH_GROUPS: under programmatic dependent launch (_triton_support.programmatic_dependent_launch),
+# the weight tiles of its first groups each program asks L2 for before it waits for the kernel before.
+LAUNCH = dict(BLOCK_N=64, WAVES=2, MIN_GROUPS_PER_SPLIT=4, SWAP_BELOW_M=64, num_warps=4, num_stages=3, MAX_BLOCK_M=64,
+              PREFETCH_GROUPS=2)  # fmt: skip
 # Up to this M a QuantLinear quantizes the activation in the GEMM's prologue. 0: never. Every N tile
 # re-quantizes its K slice, so on the H200 the prologue was slower than one act-quant launch plus
 # the prequantized GEMM at every decode M measured (1 to 64, Qwen3-8B shapes); it stays available
@@ -86,6 +89,7 @@ def plan(m: int, n: int | Sequence[int], k: int, sms: int, launch: Optional[dict
     return dict(
         BLOCK_M=block_m, BLOCK_N=block_n, GROUPS_PER_SPLIT=per_split, SPLITS=cdiv(groups, per_split),
         SWAP=block_m < launch["SWAP_BELOW_M"], num_warps=launch["num_warps"], num_stages=launch["num_stages"],
+        PREFETCH_GROUPS=min(launch["PREFETCH_GROUPS"], per_split),
     )
 
 
@@ -115,6 +119,9 @@ def _launch(x: Tensor, x_s: Optional[Tensor], segments: list[tuple], scale_forma
     m, k = x.shape
     widths = [w_q.shape[0] for w_q, *_ in segments]
     cfg = plan(m, widths, k, sm_count(x.device))
+    pdl = pdl_launch(x.device)
+    if not pdl["PDL"]:
+        cfg["PREFETCH_GROUPS"] = 0
     splits, quantize, has_bias = cfg["SPLITS"], x_s is None, segments[0][2] is not None
     # Segment 0 is the arguments of a single-weight launch; segments 1-2 follow (unused: segment 0's).
     args = [(w_q, w_s, bias if bias is not None else w_s, out, w_q.shape[0]) for w_q, w_s, bias, out in segments]
@@ -122,7 +129,7 @@ def _launch(x: Tensor, x_s: Optional[Tensor], segments: list[tuple], scale_forma
     rest = [a for seg in args[1:] for a in seg]
     rest += [w_q, w_s, bias, out, 0] * (3 - len(args))
     total = sum(widths)
-    grid = (sum(cdiv(w, cfg["BLOCK_N"]) for w in widths), splits, cdiv(m, cfg["BLOCK_M"]))
+    grid = (cdiv(m, cfg["BLOCK_M"]), sum(cdiv(w, cfg["BLOCK_N"]) for w in widths), splits)
     if partials is not None:
         part = partials
     else:
@@ -131,12 +138,12 @@ def _launch(x: Tensor, x_s: Optional[Tensor], segments: list[tuple], scale_forma
         x, x_s if x_s is not None else w_s, w_q, w_s, out, part, bias, q.view(torch.uint8), s, m, n, k,
         x.stride(0), x_s.stride(0) if x_s is not None else 0, w_q.stride(0), w_s.stride(0), out.stride(0), *rest,
         QUANTIZE=quantize, HAS_BIAS=has_bias, WRITE_Q=write_q and quantize,
-        UE8M0=scale_format == "ue8m0", SEGMENTS=len(segments), **cfg,
+        UE8M0=scale_format == "ue8m0", SEGMENTS=len(segments), **cfg, **pdl,
     )  # fmt: skip
     if splits > 1 and partials is None:
         jit.splitk_reduce_kernel[(cdiv(m * total, REDUCE_BLOCK),)](
             part, bias, out, m, n, out.stride(0), *rest[2:5], *rest[7:10],
-            SPLITS=splits, HAS_BIAS=has_bias, BLOCK=REDUCE_BLOCK, SEGMENTS=len(segments), num_warps=4,
+            SPLITS=splits, HAS_BIAS=has_bias, BLOCK=REDUCE_BLOCK, SEGMENTS=len(segments), num_warps=4, **pdl,
         )  # fmt: skip
 
 

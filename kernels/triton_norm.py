@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from ._triton_support import call_op, cdiv, check_cuda_2d, check_scale_format, load_jit
+from ._triton_support import call_op, cdiv, check_cuda_2d, check_scale_format, load_jit, pdl_launch
 
 __all__ = ["add_rmsnorm_quant_fp8", "rmsnorm_backward", "rmsnorm_quant_fp8"]
 
@@ -46,7 +46,7 @@ def _rmsnorm_quant_op(
     jit.rmsnorm_quant_kernel[(m,)](
         x, weight, y, q.view(torch.uint8), s, k, float(k), eps, x.stride(0), y.stride(0), q.stride(0), s.stride(0),
         BLOCK_K=block_k, LEVELS=block_k.bit_length() - 2, GROUP=_GROUP, UE8M0=scale_format == "ue8m0",
-        num_warps=min(16, max(4, block_k // 512)),
+        num_warps=min(16, max(4, block_k // 512)), **pdl_launch(x.device),
         enable_fp_fusion=False,  # x*x + y*y must round twice, as in the reference
     )
     return y, q, s
@@ -99,7 +99,7 @@ def _add_rmsnorm_quant_op(
         eps, residual.stride(0), delta.stride(0) if parts == 0 else 0, h.stride(0), y.stride(0), q.stride(0),
         s.stride(0), PARTS=parts, HAS_BIAS=bias is not None, BLOCK_K=block_k, LEVELS=block_k.bit_length() - 2,
         GROUP=_GROUP, UE8M0=scale_format == "ue8m0", num_warps=ADD_NORM_WARPS or min(32, max(4, block_k // 128)),
-        enable_fp_fusion=False,  # as rmsnorm_quant_fp8 (and no FMA in the split sums)
+        **pdl_launch(residual.device), enable_fp_fusion=False,  # as rmsnorm_quant_fp8 (and no FMA in the split sums)
     )  # fmt: skip
     return h, y, q, s
 

@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._triton_support import call_op, load_jit
+from ._triton_support import call_op, load_jit, pdl_launch
 
 __all__ = ["check_kv_scales", "rope_append"]
 
@@ -60,6 +60,7 @@ def _rope_append_op(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0,
         H=H, D=D, KV_FP8=fp8, NORM=norm, LEVELS=D.bit_length() - 2, num_warps=1, enable_fp_fusion=False,
+        **pdl_launch(q.device),
     )  # fmt: skip
     return out
 

@@ -275,3 +275,88 @@ def test_grouped_plan_counts_the_tiles_of_every_weight():
     alone, grouped = dg.plan(64, 4096, 4096, sms=132), dg.plan(64, [4096, 1024, 1024], 4096, sms=132)
     assert grouped["SPLITS"] < alone["SPLITS"] and grouped["GROUPS_PER_SPLIT"] * grouped["SPLITS"] >= 32
     assert dg.plan(64, [4096], 4096, sms=132) == alone
+
+
+def test_programmatic_dependent_launch_is_off_by_default_and_only_on_hopper_cuda():
+    from jetrl_trainer.kernels import _triton_support as support
+
+    assert support.pdl_launch(torch.device("cpu")) == {"PDL": False}
+    with kernels.programmatic_dependent_launch():
+        assert support.pdl_launch(torch.device("cpu")) == {"PDL": False}  # no griddepcontrol off CUDA
+        with kernels.programmatic_dependent_launch(False):
+            assert not support._PDL["enabled"]
+        assert support._PDL["enabled"]
+    assert not support._PDL["enabled"]
+    cfg = dg.plan(64, 1024, 4096, sms=132, launch=dict(PREFETCH_GROUPS=9))
+    assert cfg["PREFETCH_GROUPS"] == cfg["GROUPS_PER_SPLIT"] == 4  # never past the program's own K slice
+
+
+def _decode_layer_chain(m, k=4096, inter=12288, seed=0):
+    """The FP8 kernels of one decode layer, each reading the previous one's output: norm + quant,
+    grouped q/k/v, (norm + quant of q standing in for attention), o partials, add + norm + quant,
+    grouped gate/up, SwiGLU + quant, down partials, add + norm + quant. Returns the input and a
+    function of it giving every intermediate."""
+    from jetrl_trainer.kernels import triton_norm, triton_swiglu
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def weight(n, kk):
+        return tuple(t.contiguous() for t in quantize_fp8_blocks(torch.randn(n, kk, device="cuda", generator=g) * 0.02))
+
+    qkv, o = [weight(n, k) for n in (k, k // 4, k // 4)], weight(k, k)
+    gate_up, down = [weight(inter, k) for _ in range(2)], weight(k, inter)
+    norm_w = torch.rand(k, device="cuda", generator=g, dtype=torch.float32).to(torch.bfloat16) + 0.5
+    h = torch.randn(m, k, device="cuda", generator=g, dtype=torch.float32).to(torch.bfloat16)
+
+    def chain(h):
+        _, x_q, x_s = triton_norm.rmsnorm_quant_fp8(h, norm_w, 1e-6)
+        q, kk, v = dg.fp8_decode_gemm_grouped(x_q, x_s, qkv)
+        _, a_q, a_s = triton_norm.rmsnorm_quant_fp8(q, norm_w, 1e-6)
+        h1, _, y_q, y_s = triton_norm.add_rmsnorm_quant_fp8(h, dg.fp8_decode_gemm_partials(a_q, a_s, *o), norm_w, 1e-6)
+        gate, up = dg.fp8_decode_gemm_grouped(y_q, y_s, gate_up)
+        _, s_q, s_s = triton_swiglu.swiglu_quant_fp8(gate, up)
+        h2, _, z_q, z_s = triton_norm.add_rmsnorm_quant_fp8(h1, dg.fp8_decode_gemm_partials(s_q, s_s, *down), norm_w, 1e-6)
+        return [q, kk, v, h1, gate, up, h2, z_q.view(torch.uint8), z_s]
+
+    return h, chain
+
+
+@pytest.mark.gpu
+@CUDA
+@pytest.mark.parametrize("m", [1, 16, 64])
+def test_programmatic_dependent_launch_keeps_every_bit(m, monkeypatch):
+    """The decode layer's kernels launched with programmatic dependent launch (and the weight
+    prefetch before each GEMM's wait), eagerly and in a CUDA graph replayed on fresh inputs: every
+    output bit as without it. A kernel reading before its wait would see stale or unwritten data."""
+    _need_kernel()
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs sm_90+")
+    from jetrl_trainer.kernels import _triton_support as support
+    from jetrl_trainer.kernels import triton_norm, triton_swiglu
+
+    h, chain = _decode_layer_chain(m)
+    want = chain(h)
+    launched = []
+
+    def counting(device):
+        launched.append(support.pdl_launch(device)["PDL"])
+        return support.pdl_launch(device)
+
+    for module in (dg, triton_norm, triton_swiglu):
+        monkeypatch.setattr(module, "pdl_launch", counting)
+    with kernels.programmatic_dependent_launch():
+        eager = chain(h)
+        static = h.clone()
+        graph, outs = _captured(lambda: chain(static))
+    assert len(launched) == 3 * 9 and all(launched), launched  # 3 chains (eager, warm-up, capture) of 9 launch sites
+    for a, b in zip(eager, want):
+        assert torch.equal(a, b)
+    for seed in range(1, 6):
+        fresh = torch.randn(m, h.shape[1], device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed))
+        static.copy_(fresh.to(torch.bfloat16))
+        reference = chain(static.clone())  # without PDL
+        for _ in range(3):
+            graph.replay()
+            torch.cuda.synchronize()
+            for a, b in zip(outs, reference):
+                assert torch.equal(a, b), seed

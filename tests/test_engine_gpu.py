@@ -201,6 +201,20 @@ def test_kept_graphs_replay_the_weights_of_each_step():
         assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-3, rtol=0)
 
 
+def _fp8_head128_model(arch: str, tok):
+    """A tiny unified-FP8 model with heads of 128 (one 1x128 group per head): Qwen3, or Llama with
+    biases on q/k/v/o."""
+    from jetrl_trainer.tiny import build_tiny_llama
+
+    if arch == "qwen3":
+        model = build_tiny_qwen3(tok, head_dim=128)
+    else:
+        model = build_tiny_llama(tok, head_dim=128, attention_bias=True)
+    model = model.cuda().eval()
+    quantize_model(model, train="fp8", rollout="fp8")
+    return model
+
+
 @pytest.mark.parametrize("arch", ["qwen3", "llama_bias"])
 def test_fused_epilogues_change_no_bit(arch, monkeypatch):
     """Residual adds with the o / down split-K reductions inside the next fused RMSNorm, and the o
@@ -211,15 +225,9 @@ def test_fused_epilogues_change_no_bit(arch, monkeypatch):
     from jetrl_trainer.kernels import triton_decode_attention as attention
     from jetrl_trainer.kernels import triton_decode_gemm as dg
     from jetrl_trainer.kernels import triton_norm
-    from jetrl_trainer.tiny import build_tiny_llama
 
     tok = tokenizer()
-    if arch == "qwen3":
-        model = build_tiny_qwen3(tok, head_dim=128)
-    else:
-        model = build_tiny_llama(tok, head_dim=128, attention_bias=True)
-    model = model.cuda().eval()
-    quantize_model(model, train="fp8", rollout="fp8")
+    model = _fp8_head128_model(arch, tok)
     calls = {"partials": 0, "add_norm": 0, "attention_quant": 0}
 
     def counting(name, real, check=lambda *a, **kw: True):
@@ -246,6 +254,52 @@ def test_fused_epilogues_change_no_bit(arch, monkeypatch):
                 assert calls["attention_quant"] >= layers, calls
                 calls.update(partials=0, add_norm=0, attention_quant=0)
     assert calls == {"partials": 0, "add_norm": 0, "attention_quant": 0}
+    assert runs[0][0] == runs[1][0]
+    for a, b in zip(runs[0][1], runs[1][1]):
+        assert torch.equal(torch.tensor(a), torch.tensor(b))
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama_bias"])
+def test_programmatic_dependent_launch_changes_no_bit(arch, monkeypatch):
+    """The decode step's Triton kernels with programmatic dependent launch (each may start while the
+    one before drains; the GEMMs prefetch weights before they wait): the same tokens and log-probs,
+    bit for bit, as without it, over rows that finish at different steps (bucket changes), and the
+    launches really carried the attribute."""
+    _graphs_or_skip()
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs sm_90+")
+    from jetrl_trainer.kernels import _triton_support as support
+    from jetrl_trainer.kernels import triton_decode_attention, triton_decode_gemm, triton_norm, triton_rope_append
+    from jetrl_trainer.kernels import triton_swiglu
+
+    tok = tokenizer()
+    model = _fp8_head128_model(arch, tok)
+    launched = {}
+
+    def counting(name):
+        def wrapped(device):
+            got = support.pdl_launch(device)
+            launched[name] = launched.get(name, 0) + got["PDL"]
+            return got
+
+        return wrapped
+
+    for module in (triton_decode_attention, triton_decode_gemm, triton_norm, triton_rope_append, triton_swiglu):
+        monkeypatch.setattr(module, "pdl_launch", counting(module.__name__.rsplit(".", 1)[1]))
+    config = GenerationConfig(max_new_tokens=12, do_sample=True, temperature=1.0, pad_token_id=tok.pad_token_id)
+    prompts = PROMPTS * 2
+    budgets = [3 + (i * 5) % 10 for i in range(len(prompts))]
+    runs = []
+    with precision_phase("rollout"):
+        for pdl in (True, False):
+            engine = DecodeEngine(model, cuda_graphs=True)
+            engine.programmatic_dependent_launch = pdl
+            runs.append(engine.generate(prompts, config, eos_token_ids=[-1], seed=5, pad_token_id=0, row_budgets=budgets))
+            if pdl:
+                assert all(launched.get(name, 0) > 0 for name in ("triton_decode_attention", "triton_decode_gemm",
+                           "triton_norm", "triton_rope_append", "triton_swiglu")), launched  # fmt: skip
+                launched.clear()
+    assert not any(launched.values()), launched  # off: no launch carried it
     assert runs[0][0] == runs[1][0]
     for a, b in zip(runs[0][1], runs[1][1]):
         assert torch.equal(torch.tensor(a), torch.tensor(b))

@@ -139,6 +139,10 @@ class DecodeEngine:
         # inside the next fused RMSNorm, and the attention kernel writes the o projection's FP8
         # activation (residual.py; the same bits); False runs them as separate launches (benchmarks, tests).
         self.fused_epilogues = True
+        # The decode step's Triton kernels launch with programmatic dependent launch (Hopper+): each may
+        # start while the one before drains, and the decode GEMMs prefetch their first weight tiles into
+        # L2 before they wait (kernels/_triton_support.py; the same bits). Opt-in until measured faster.
+        self.programmatic_dependent_launch = False
         # The last generate call: wall seconds, the host's prefill seconds, the seconds spent capturing
         # CUDA graphs, how many were captured, and how often the running batch changed.
         self.last_stats: dict = {}
