@@ -126,6 +126,8 @@ VARIANTS = {
     # The decode step's Triton kernels with programmatic dependent launch and the GEMMs' weight prefetch.
     "pdl": dict(attention={}, fuse_qk_norms=True, min_groups_per_split=None, pdl=True),
     "pdl_no_prefetch": dict(attention={}, fuse_qk_norms=True, min_groups_per_split=None, pdl=True, prefetch_groups=0),
+    # The q/k/v group on the decode kernel only up to DECODE_MAX_M rows, as before QKV_MAX_ROWS.
+    "qkv64": dict(attention={}, fuse_qk_norms=True, min_groups_per_split=None, qkv_max_rows=64),
 }
 VARIANT = VARIANTS["shipped"]
 
@@ -139,7 +141,15 @@ def new_engine(model, **kwargs) -> DecodeEngine:
     engine.programmatic_dependent_launch = VARIANT.get("pdl", False)
     if not VARIANT["fuse_qk_norms"]:
         engine.view.qk_norms = []  # the q/k norm modules run on their own, as before the fused launch
+    if "qkv_max_rows" in VARIANT:
+        limit_qkv_rows(engine, VARIANT["qkv_max_rows"])
     return engine
+
+
+def limit_qkv_rows(engine: DecodeEngine, rows: int) -> None:
+    for group in engine.view.qkv_groups:
+        if group is not None:
+            group.max_rows = rows
 
 
 @contextlib.contextmanager
@@ -248,7 +258,7 @@ def kernel_breakdown(step, steps: int = 3) -> dict:
     )
 
 
-PROFILED = ("bf16", "bf16_pdl", "fp8", "fp8_pdl", "fp8_unfused", "fp8_ungrouped", "fp8_general")
+PROFILED = ("bf16", "bf16_pdl", "fp8", "fp8_pdl", "fp8_qkv64", "fp8_unfused", "fp8_ungrouped", "fp8_general")
 # Also accepted by --profile: "fp8_pdl_p<N>", fp8_pdl with the decode GEMMs prefetching N weight groups.
 
 
@@ -284,6 +294,8 @@ def profile_step(model, batch: int, new: int, precisions: tuple[str, ...] = PROF
             engine.grouped_projections = precision != "fp8_ungrouped"
             engine.fused_epilogues = precision not in ("fp8_unfused", "fp8_ungrouped")
             engine.programmatic_dependent_launch = "_pdl" in precision
+            if precision == "fp8_qkv64":
+                limit_qkv_rows(engine, 64)
             v = engine.view
             cache = KVCache(num_layers=len(v.layers), num_slots=batch + 1, max_len=PROMPT + new,
                             num_kv_heads=v.num_kv_heads, head_dim=v.head_dim, dtype=v.dtype, device=v.device)
@@ -325,7 +337,7 @@ def main() -> None:
     ap.add_argument("--profile", default=",".join(PROFILED),
                     help=f"comma list of the engines the step profile covers ({', '.join(PROFILED)}): fp8_unfused "
                          "without the fused epilogues, fp8_ungrouped without those and the grouped launches, "
-                         "fp8_general on the general GEMM path")  # fmt: skip
+                         "fp8_general on the general GEMM path, fp8_qkv64 with q/k/v grouped up to 64 rows only")  # fmt: skip
     ap.add_argument("--kv-only", action="store_true", help="only the fixed-length engine runs, with an FP8 KV cache too")
     ap.add_argument("--refill", type=int, default=4,
                     help="variable-length case with refill: this many times the batch, through batch slots")
@@ -334,13 +346,25 @@ def main() -> None:
     ap.add_argument("--variants", default="",
                     help=f"comma list of engine variants ({', '.join(VARIANTS)}): only their fixed-length engine "
                          "runs, BF16 and FP8 (with --kv-only, an FP8 KV cache too for 'shipped'), one row set per variant")  # fmt: skip
+    ap.add_argument("--decode-max-m", type=int, default=None,
+                    help="rows up to which FP8 linears take the split-K decode kernel (triton_decode_gemm.DECODE_MAX_M)")
+    ap.add_argument("--launch", default="",
+                    help="decode-kernel launch overrides, e.g. 'MAX_BLOCK_M=128;num_warps=8' (triton_decode_gemm.LAUNCH)")
     args = ap.parse_args()
+    if args.decode_max_m:
+        dg.DECODE_MAX_M = args.decode_max_m
+    for part in filter(None, (p.strip() for p in args.launch.split(";"))):
+        key, _, value = part.partition("=")
+        if key not in dg.LAUNCH:
+            raise SystemExit(f"--launch: {key!r} is not one of {', '.join(dg.LAUNCH)}")
+        dg.LAUNCH[key] = int(value)
     gbs = copy_bandwidth_gbs()
     model = build_model(args.layers)
     if args.profile_only:
         profiled = tuple(args.profile.split(","))
         profile = {f"b{b}": profile_step(model, b, args.new, profiled) for b in map(int, args.batches.split(","))}
-        dump(dict(benchmark="rollout_profile", env=environment(), layers=args.layers, step_profile=profile))
+        dump(dict(benchmark="rollout_profile", env=environment(), layers=args.layers, decode_max_m=dg.DECODE_MAX_M,
+                  launch=dict(dg.LAUNCH), step_profile=profile))  # fmt: skip
         return
     if args.variants:
         rows = []
@@ -350,6 +374,7 @@ def main() -> None:
                     for row in run_case(model, b, args.new, gbs, True, False, args.kv_only and name == "shipped"):
                         rows.append(dict(variant=name, **row))
         dump(dict(benchmark="rollout_variants", env=environment(), copy_gbs=round(gbs, 1), layers=args.layers,
+                  decode_max_m=dg.DECODE_MAX_M, launch=dict(dg.LAUNCH),
                   variants={n: VARIANTS[n] for n in args.variants.split(",")}, rows=rows))  # fmt: skip
         return
     if args.kv_only:

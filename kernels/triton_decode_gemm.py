@@ -129,7 +129,7 @@ def _launch(x: Tensor, x_s: Optional[Tensor], segments: list[tuple], scale_forma
     rest = [a for seg in args[1:] for a in seg]
     rest += [w_q, w_s, bias, out, 0] * (3 - len(args))
     total = sum(widths)
-    grid = (cdiv(m, cfg["BLOCK_M"]), sum(cdiv(w, cfg["BLOCK_N"]) for w in widths), splits)
+    grid = (sum(cdiv(w, cfg["BLOCK_N"]) for w in widths), splits, cdiv(m, cfg["BLOCK_M"]))
     if partials is not None:
         part = partials
     else:

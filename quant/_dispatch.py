@@ -45,13 +45,13 @@ def act_quant_fp8(x2d: torch.Tensor, scale_format: str = "fp32") -> Pair:
     return quantize_fp8_groups(x2d.contiguous(), 128, scale_format=scale_format)
 
 
-def decode_gemm_module(x2d: torch.Tensor) -> Optional[ModuleType]:
+def decode_gemm_module(x2d: torch.Tensor, max_m: Optional[int] = None) -> Optional[ModuleType]:
     """``kernels/triton_decode_gemm`` when it should run on the activation ``x2d [M, K]``: on CUDA
-    with the kernel, 1 <= M <= ``DECODE_MAX_M``, and no GEMM backend forced; else None."""
+    with the kernel, 1 <= M <= ``max_m`` (default ``DECODE_MAX_M``), and no GEMM backend forced; else None."""
     if not x2d.is_cuda or not kernels.triton_enabled() or kernels.gemm_backend_forced() is not None:
         return None
     module = kernels.optional_module("triton_decode_gemm")
-    if module is None or not 0 < x2d.shape[0] <= module.DECODE_MAX_M:
+    if module is None or not 0 < x2d.shape[0] <= (module.DECODE_MAX_M if max_m is None else max_m):
         return None
     return module
 

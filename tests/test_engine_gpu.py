@@ -103,6 +103,21 @@ def test_graphed_look_ahead_changes_no_token():
         assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-3, rtol=0)
 
 
+def _grouped_then_ungrouped(model, prompts, config, calls: list):
+    """Greedy runs with and without grouped projections; the grouped run's logged launches are
+    moved out of ``calls`` so that the ungrouped run's (none expected) stay in it."""
+    runs = []
+    with precision_phase("rollout"):
+        for grouped in (True, False):
+            engine = DecodeEngine(model, cuda_graphs=True)
+            engine.grouped_projections = grouped
+            runs.append(engine.generate(prompts, config, eos_token_ids=[-1], seed=0, pad_token_id=0))
+            if grouped:
+                grouped_calls = list(calls)
+                calls.clear()
+    return runs[0], grouped_calls, runs[1]
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
 def test_grouped_projections_change_no_token(arch, monkeypatch):
     """q/k/v and gate/up in one FP8 decode launch each (Qwen2: with biases): the same greedy tokens
@@ -118,18 +133,34 @@ def test_grouped_projections_change_no_token(arch, monkeypatch):
     real = dg.fp8_decode_gemm_grouped
     monkeypatch.setattr(dg, "fp8_decode_gemm_grouped", lambda *a, **kw: calls.append(len(a[2])) or real(*a, **kw))
     config = GenerationConfig(max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=[-1])
-    runs = []
-    with precision_phase("rollout"):
-        for grouped in (True, False):
-            engine = DecodeEngine(model, cuda_graphs=True)
-            engine.grouped_projections = grouped
-            runs.append(engine.generate(PROMPTS, config, eos_token_ids=[-1], seed=0, pad_token_id=0))
-            if grouped:
-                assert sorted(set(calls)) == [2, 3] and len(calls) >= 2 * len(model.model.layers)
-                calls.clear()
-    assert runs[0][0] == runs[1][0] and not calls
-    for a, b in zip(runs[0][1], runs[1][1]):
+    grouped, calls_grouped, ungrouped = _grouped_then_ungrouped(model, PROMPTS, config, calls)
+    assert sorted(set(calls_grouped)) == [2, 3] and len(calls_grouped) >= 2 * len(model.model.layers)
+    assert grouped[0] == ungrouped[0] and not calls
+    for a, b in zip(grouped[1], ungrouped[1]):
         assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-3, rtol=0)
+
+
+def test_qkv_group_takes_the_decode_kernel_up_to_its_row_limit(monkeypatch):
+    """Above DECODE_MAX_M rows only the q/k/v group keeps the grouped launch (up to QKV_MAX_ROWS):
+    a 130-row batch (its graph bucket: 130 rows) runs it at 130 rows, gate/up never above 64 rows, and the greedy
+    tokens are those of the modules one by one."""
+    _graphs_or_skip()
+    from jetrl_trainer.kernels import triton_decode_gemm as dg
+    from jetrl_trainer.rollout.engine.projections import QKV_MAX_ROWS
+
+    model, tok = build_tiny_qwen3(tokenizer()).cuda().eval(), tokenizer()
+    quantize_model(model, train="fp8", rollout="fp8")
+    calls = []
+    real = dg.fp8_decode_gemm_grouped
+    monkeypatch.setattr(dg, "fp8_decode_gemm_grouped",
+                        lambda *a, **kw: calls.append((len(a[2]), a[0].shape[0])) or real(*a, **kw))  # fmt: skip
+    prompts = [PROMPTS[i % len(PROMPTS)] + [20 + i % 50] for i in range(130)]
+    config = GenerationConfig(max_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=[-1])
+    grouped, calls, ungrouped = _grouped_then_ungrouped(model, prompts, config, calls)
+    qkv_rows = {rows for n, rows in calls if n == 3}
+    mlp_rows = {rows for n, rows in calls if n == 2}
+    assert 130 in qkv_rows and max(qkv_rows) <= QKV_MAX_ROWS and max(mlp_rows, default=0) <= dg.DECODE_MAX_M, (qkv_rows, mlp_rows)
+    assert grouped[0] == ungrouped[0]
 
 
 def test_graphed_sampling_records_the_warped_logprobs():

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from .projections import GroupedProjection
+from .projections import QKV_MAX_ROWS, GroupedProjection
 from .residual import ResidualStream
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "DecoderView", "unsupported_model_reason"]
@@ -139,8 +139,8 @@ class DecoderView:
             num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads, head_dim=attn.head_dim,
             scaling=attn.scaling, dtype=embed.weight.dtype, device=embed.weight.device,
             qk_norms=[_fusable_qk_norms(layer.self_attn, embed.weight.dtype, attn.head_dim) for layer in inner.layers],
-            qkv_groups=[GroupedProjection.of([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj])
-                        for layer in inner.layers],
+            qkv_groups=[GroupedProjection.of([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj],
+                                              max_rows=QKV_MAX_ROWS) for layer in inner.layers],
             mlp_groups=[GroupedProjection.of([layer.mlp.gate_proj, layer.mlp.up_proj]) if _is_gated_mlp(layer.mlp)
                         else None for layer in inner.layers],
             o_groups=[GroupedProjection.of([layer.self_attn.o_proj]) if _fuses_add(layer.post_attention_layernorm)

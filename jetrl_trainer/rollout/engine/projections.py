@@ -11,6 +11,10 @@ summation order) may differ, which the engine's contract allows (architecture.py
 A group of one (the o and down projections) can leave its output as split-K partial sums
 (`SplitSums`) for the next RMSNorm to reduce, together with the residual add (`residual.py`).
 
+A group takes the decode kernel up to ``max_rows`` rows (default: ``DECODE_MAX_M``, where a lone
+projection is faster through the decode kernel than through ``scaled_mm``). q/k/v go further
+(`QKV_MAX_ROWS`): their narrow N tiles fill the GPU only together.
+
 Only plain FP8 `QuantLinear`s group (a peft LoRA layer adds adapters the kernel does not, a BF16
 recipe has no FP8 weight): anything else, and every call off CUDA or above decode M, returns None
 and the modules run one by one.
@@ -30,23 +34,31 @@ from jetrl_trainer.quant.phase import current_phase
 from jetrl_trainer.quant.recipe import FP8Recipe
 from jetrl_trainer.quant.stats import record_gemm
 
-__all__ = ["GroupedProjection", "SplitSums"]
+__all__ = ["QKV_MAX_ROWS", "GroupedProjection", "SplitSums"]
+
+# Rows up to which the q/k/v group runs as one decode-kernel launch. H200, Qwen3-8B shapes (run 21,
+# graph replays): the grouped launch took 17.8 us at M = 128 and 26.0 at 256, against 29.0 / 36.6 for
+# BF16; at batch 256 it took the FP8 decode step from 11.6 to 10.7 ms (run 23, BF16 11.6). gate/up
+# grouped (55 us at 128, 89 at 256) lose to two scaled_mm calls with their act quant (46, 70), and
+# o / down lose likewise, so they stay on scaled_mm above DECODE_MAX_M.
+QKV_MAX_ROWS = 256
 
 
 class GroupedProjection:
     """``[m(x) for m in modules]`` in one launch, or None where that launch cannot run."""
 
-    def __init__(self, modules: Sequence[QuantLinear]) -> None:
+    def __init__(self, modules: Sequence[QuantLinear], max_rows: int | None = None) -> None:
         self.modules = list(modules)
+        self.max_rows = max_rows  # None: the decode kernel's own DECODE_MAX_M
 
     @classmethod
-    def of(cls, modules: Sequence[nn.Module]) -> GroupedProjection | None:
+    def of(cls, modules: Sequence[nn.Module], max_rows: int | None = None) -> GroupedProjection | None:
         """A group when every module is a `QuantLinear` of one input width with biases all or none."""
         if not all(type(m) is QuantLinear for m in modules):
             return None
         if len({m.in_features for m in modules}) != 1 or len({m.bias is None for m in modules}) != 1:
             return None
-        return cls(modules)
+        return cls(modules, max_rows)
 
     def __call__(self, x: Tensor) -> list[Tensor] | None:
         operands = self._operands(x)
@@ -76,7 +88,7 @@ class GroupedProjection:
         if not all(isinstance(r, FP8Recipe) for r in recipes) or len({r.scale_format for r in recipes}) != 1:
             return None
         x2d = x.reshape(-1, x.shape[-1])
-        module = decode_gemm_module(x2d)
+        module = decode_gemm_module(x2d, self.max_rows)
         if module is None:
             return None
         if torch.is_grad_enabled() and (x.requires_grad or any(m.weight.requires_grad for m in self.modules)):
