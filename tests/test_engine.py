@@ -366,9 +366,13 @@ def test_kept_state_is_reused_and_decodes_with_the_updated_weights():
     assert kept.last_stats["reused_state"] and after == run(DecodeEngine(model)) and after[0] != first[0]
     run(kept, _config(max_new_tokens=6, do_sample=True, temperature=0.7))
     assert not kept.last_stats["reused_state"]
-    model.model.layers[0].self_attn.q_proj.set_recipes(rollout="fp8")  # a new, reallocated weight cache
+    # A new, reallocated weight cache. The old tensors are held so the new ones cannot land at the
+    # same addresses (which the kept graphs would read correctly, so reuse would then be right).
+    q_proj = model.model.layers[0].self_attn.q_proj
+    old_cache = q_proj.cached_weight_tensors()
+    q_proj.set_recipes(rollout="fp8")
     run(kept, _config(max_new_tokens=6, do_sample=True, temperature=0.7))
-    assert not kept.last_stats["reused_state"]
+    assert old_cache and not kept.last_stats["reused_state"]
     kept.release_state()
     assert kept._kept is None
 
