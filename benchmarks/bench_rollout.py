@@ -30,6 +30,7 @@ from jetrl_trainer.kernels import triton_decode_gemm as dg
 from jetrl_trainer.quant import QuantLinear, precision_phase, quantize_model
 from jetrl_trainer.rollout import generate_with_logprobs, left_pad
 from jetrl_trainer.rollout.engine import DecodeEngine
+from jetrl_trainer.rollout.engine import sampling as engine_sampling
 
 PROMPT, DISTINCT = 128, 8
 
@@ -128,13 +129,18 @@ VARIANTS = {
     "pdl_no_prefetch": dict(attention={}, fuse_qk_norms=True, min_groups_per_split=None, pdl=True, prefetch_groups=0),
     # The q/k/v group on the decode kernel only up to DECODE_MAX_M rows, as before QKV_MAX_ROWS.
     "qkv64": dict(attention={}, fuse_qk_norms=True, min_groups_per_split=None, qkv_max_rows=64),
+    # Decode attention in 64-position tiles, newest first (flash attention's order), as before the
+    # engine matched the training forward's SDPA backend (oldest first, 128 positions under cuDNN).
+    "flash64": dict(attention=dict(block_n=64, flash_order=True), fuse_qk_norms=True, min_groups_per_split=None),
+    # The sampler's draw through one (B, V) FP64 cumulative sum, as before the two-level draw.
+    "one_level_sampler": dict(attention={}, fuse_qk_norms=True, min_groups_per_split=None, one_level_sampler=True),
 }
 VARIANT = VARIANTS["shipped"]
 
 
 def new_engine(model, **kwargs) -> DecodeEngine:
     engine = DecodeEngine(model, **kwargs)
-    engine.attention_options = dict(VARIANT["attention"])
+    engine.attention_options.update(VARIANT["attention"])
     engine.look_ahead = VARIANT.get("look_ahead", True)
     engine.grouped_projections = VARIANT.get("grouped", True)
     engine.fused_epilogues = VARIANT.get("fused_epilogues", True)
@@ -152,6 +158,23 @@ def limit_qkv_rows(engine: DecodeEngine, rows: int) -> None:
             group.max_rows = rows
 
 
+def one_level_draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The engine sampler's draw before `inverse_cdf_sample`: one FP64 cumulative sum over the vocabulary."""
+    cdf = probs.to(torch.float64).cumsum(dim=-1)
+    target = u.to(torch.float64) * cdf[:, -1]
+    return torch.searchsorted(cdf, target[:, None], right=True).squeeze(-1).clamp(max=probs.shape[-1] - 1)
+
+
+@contextlib.contextmanager
+def sampler_draw(one_level: bool):
+    saved = engine_sampling.inverse_cdf_sample
+    engine_sampling.inverse_cdf_sample = one_level_draw if one_level else saved
+    try:
+        yield
+    finally:
+        engine_sampling.inverse_cdf_sample = saved
+
+
 @contextlib.contextmanager
 def engine_variant(name: str):
     global VARIANT
@@ -160,7 +183,8 @@ def engine_variant(name: str):
     dg.LAUNCH["MIN_GROUPS_PER_SPLIT"] = VARIANT["min_groups_per_split"] or saved_launch["MIN_GROUPS_PER_SPLIT"]
     dg.LAUNCH["PREFETCH_GROUPS"] = VARIANT.get("prefetch_groups", saved_launch["PREFETCH_GROUPS"])
     try:
-        yield
+        with sampler_draw(VARIANT.get("one_level_sampler", False)):
+            yield
     finally:
         VARIANT = saved
         dg.LAUNCH.update(saved_launch)
@@ -254,12 +278,14 @@ def kernel_breakdown(step, steps: int = 3) -> dict:
         gpu_ms=round(sum(v[0] for v in kinds.values()), 3),
         launches=round(sum(v[1] for v in kinds.values())),
         by_kind={k: dict(ms=round(v[0], 3), launches=round(v[1])) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1][0])},
-        top=[dict(ms=round(ms, 3), launches=round(n), name=name) for ms, n, name in top[:12]],
+        top=[dict(ms=round(ms, 3), launches=round(n), name=name) for ms, n, name in top[:25]],
     )
 
 
 PROFILED = ("bf16", "bf16_pdl", "fp8", "fp8_pdl", "fp8_qkv64", "fp8_unfused", "fp8_ungrouped", "fp8_general")
-# Also accepted by --profile: "fp8_pdl_p<N>", fp8_pdl with the decode GEMMs prefetching N weight groups.
+# Also accepted by --profile: "fp8_pdl_p<N>", fp8_pdl with the decode GEMMs prefetching N weight groups,
+# any name with "_cumsum" appended: the sampler's one-level draw (`one_level_draw`), and with
+# "_flash64": the attention arithmetic of the "flash64" variant.
 
 
 @contextlib.contextmanager
@@ -283,14 +309,17 @@ def profile_step(model, batch: int, new: int, precisions: tuple[str, ...] = PROF
     out = {}
     config = GenerationConfig(max_new_tokens=new, do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
     general = "scaled_mm" if "scaled_mm" in available_gemm_backends("cuda") else "triton"
-    for precision in precisions:
+    for name in precisions:
+        precision = name.removesuffix("_cumsum").removesuffix("_flash64")
         forced = use_gemm_backend(general) if precision == "fp8_general" else contextlib.nullcontext()
         prefetch = dg.LAUNCH["PREFETCH_GROUPS"]
         if precision.startswith("fp8_pdl_p"):
             prefetch = int(precision.removeprefix("fp8_pdl_p"))
         with torch.no_grad(), precision_phase("train" if precision.startswith("bf16") else "rollout"), forced, \
-                _launch_setting("PREFETCH_GROUPS", prefetch):  # fmt: skip
+                _launch_setting("PREFETCH_GROUPS", prefetch), sampler_draw(name.endswith("_cumsum")):  # fmt: skip
             engine = DecodeEngine(model)
+            if "_flash64" in name:
+                engine.attention_options.update(VARIANTS["flash64"]["attention"])
             engine.grouped_projections = precision != "fp8_ungrouped"
             engine.fused_epilogues = precision not in ("fp8_unfused", "fp8_ungrouped")
             engine.programmatic_dependent_launch = "_pdl" in precision
@@ -319,7 +348,7 @@ def profile_step(model, batch: int, new: int, precisions: tuple[str, ...] = PROF
                 cache.lengths.copy_(lengths)
                 sampler.sample(engine.decode_step(cache, slots, tokens, kernel=True), seeds, steps)
 
-            out[precision] = dict(
+            out[name] = dict(
                 replay_ms=round(bench_ms(replay), 3),
                 sampler_ms=round(bench_ms(lambda: sampler.sample(logits, seeds, steps)), 3),
                 kernels=kernel_breakdown(eager_step),
@@ -337,7 +366,9 @@ def main() -> None:
     ap.add_argument("--profile", default=",".join(PROFILED),
                     help=f"comma list of the engines the step profile covers ({', '.join(PROFILED)}): fp8_unfused "
                          "without the fused epilogues, fp8_ungrouped without those and the grouped launches, "
-                         "fp8_general on the general GEMM path, fp8_qkv64 with q/k/v grouped up to 64 rows only")  # fmt: skip
+                         "fp8_general on the general GEMM path, fp8_qkv64 with q/k/v grouped up to 64 rows only; "
+                         "any of them + '_cumsum': with the sampler's one-level FP64 cumulative sum, "
+                         "+ '_flash64': with the flash64 variant's attention tiles")  # fmt: skip
     ap.add_argument("--kv-only", action="store_true", help="only the fixed-length engine runs, with an FP8 KV cache too")
     ap.add_argument("--refill", type=int, default=4,
                     help="variable-length case with refill: this many times the batch, through batch slots")

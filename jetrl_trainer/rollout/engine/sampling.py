@@ -7,9 +7,15 @@
 * **Noise.** Inverse-CDF sampling: one uniform per row and step, from a counter-based hash of
   (row seed, step) (`jetrl_trainer._hashing`), not a stateful generator, so a row's tokens depend
   on its seed alone, whatever else is in the batch and in whichever slot it runs. The token is the
-  first whose FP64 cumulative probability exceeds it; tokens the warpers removed have probability
-  0, a zero-width step that is never drawn. One uniform per row (not one per vocabulary entry, as
-  Gumbel-max needs) keeps the sampler's cost at a few passes over the ``(B, V)`` scores.
+  first whose FP64 cumulative probability exceeds ``u × total``; tokens the warpers removed have
+  probability 0, a zero-width step that is never drawn. One uniform per row (not one per vocabulary
+  entry, as Gumbel-max needs) keeps the sampler's cost at a few passes over the ``(B, V)`` scores.
+* **Two-level cumulative** (`inverse_cdf_sample`): FP64 sums of blocks of ``CDF_BLOCK`` entries
+  and their running total find the block that holds ``u × total``; only that block's entries are
+  then accumulated one by one (on CUDA the block sums are a Triton kernel, `kernels/triton_sampling`).
+  A full ``(B, V)`` FP64 cumulative sum was 0.29 ms of a 5.2 ms decode step on the H200 (batch 64,
+  vocabulary 151,936), as much as the LM head. The two levels add in a different order, so a token
+  can differ from the one-level sum only where ``u × total`` falls within FP64 rounding of a step edge.
 * **Greedy** (``do_sample=False``): the argmax of the raw scores, as ``generate``; its recorded
   log-prob is that of the token under the (unwarped) softmax.
 """
@@ -20,10 +26,11 @@ import torch
 from torch import Tensor
 from transformers import GenerationConfig
 
+from jetrl_trainer import kernels
 from jetrl_trainer._hashing import M32, mix32
 from jetrl_trainer.rollout.sampling import sampling_warpers
 
-__all__ = ["TokenSampler", "unsupported_generation_reason"]
+__all__ = ["CDF_BLOCK", "TokenSampler", "inverse_cdf_sample", "unsupported_generation_reason"]
 
 # GenerationConfig fields the engine does not implement, with their neutral values.
 _NEUTRAL = {
@@ -83,10 +90,46 @@ class TokenSampler:
             return tokens, torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
         scores = self.warpers(tokens_placeholder(logits), logits)  # these warpers ignore input_ids
         logp = torch.log_softmax(scores, dim=-1)
-        cdf = logp.exp().to(torch.float64).cumsum(dim=-1)  # (B, V); removed tokens add zero-width steps
-        u = _uniform(row_seeds, steps) * cdf[:, -1]
-        tokens = torch.searchsorted(cdf, u[:, None], right=True).squeeze(-1).clamp(max=logits.shape[-1] - 1)
+        tokens = inverse_cdf_sample(logp.exp(), _uniform(row_seeds, steps))
         return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+CDF_BLOCK = 1024  # entries per first-level block: (B, V / 1024) block sums, then one (B, 1024) cumulative
+
+
+def inverse_cdf_sample(probs: Tensor, u: Tensor, block: int = CDF_BLOCK) -> Tensor:
+    """``(B,)`` ids: per row, the first entry of ``probs`` ``(B, V)`` whose FP64 cumulative sum
+    exceeds ``u × total`` (``u`` ``(B,)`` in (0, 1)), an entry of nonzero probability."""
+    rows, vocab = probs.shape
+    block_cdf = block_sums(probs, block).cumsum(dim=-1)  # (B, n_blocks)
+    target = (u.to(torch.float64) * block_cdf[:, -1])[:, None]  # (B, 1)
+    b = torch.searchsorted(block_cdf, target, right=True).clamp(max=block_cdf.shape[1] - 1)  # first block past it
+    before = torch.where(b > 0, block_cdf.gather(1, (b - 1).clamp(min=0)), 0.0)  # its start, <= target
+    index = b * block + torch.arange(block, device=probs.device)  # (B, block); past V in a ragged last block
+    inner = probs.gather(1, index.clamp(max=vocab - 1)).masked_fill(index >= vocab, 0.0)
+    return (b * block + pick_in_block(inner, before, target)).squeeze(-1).clamp(max=vocab - 1)
+
+
+def block_sums(probs: Tensor, block: int) -> Tensor:
+    """``(B, ceil(V / block))`` FP64 sums of ``block`` consecutive entries: the Triton kernel on CUDA
+    (one read of the FP32 table), else torch over a zero-padded FP64 copy."""
+    module = kernels.optional_module("triton_sampling") if probs.is_cuda and kernels.triton_enabled() else None
+    if module is not None and probs.dtype == torch.float32 and block & (block - 1) == 0:
+        return module.block_sums_fp64(probs, block)
+    rows, vocab = probs.shape
+    n_blocks = -(-vocab // block)
+    padded = torch.nn.functional.pad(probs, (0, n_blocks * block - vocab))  # zeros: never drawn
+    return padded.view(rows, n_blocks, block).sum(dim=-1, dtype=torch.float64)
+
+
+def pick_in_block(inner: Tensor, before: Tensor, target: Tensor) -> Tensor:
+    """``(B, 1)`` offsets into ``inner`` ``(B, block)``: the first entry at which ``before`` plus the
+    FP64 running sum exceeds ``target``. Where none does (the block's sum, added in another order,
+    exceeded ``target`` by a rounding error), the block's last entry of nonzero probability."""
+    size = inner.shape[-1]
+    offset = torch.searchsorted(before + inner.to(torch.float64).cumsum(dim=-1), target, right=True)
+    last_nonzero = size - 1 - (inner > 0).flip(-1).to(torch.uint8).argmax(dim=-1, keepdim=True)
+    return torch.where(offset < size, offset, last_nonzero)
 
 
 def tokens_placeholder(logits: Tensor) -> Tensor:
