@@ -1,20 +1,24 @@
-"""Where does the engine's unified-flow mismatch come from? One attention variant at a time.
+"""Where does the engine's unified-flow mismatch come from? One component at a time.
 
 The unified flow's mismatch is mean |recorded log-prob - FP8 training-phase teacher-forced log-prob|.
-The training forward runs transformers' SDPA attention (``is_causal`` and no mask on unpadded
-prompts: the flash kernel); the engine's prefill is the model's own forward, so only its decode
-attention can sum in another order. This probe measures the mismatch for HF ``generate`` and for
-the engine with its split-KV Triton decode attention in several arithmetic orders, and (eager, no
-graphs) with unmasked SDPA over the live prefix, as ``generate`` runs on equal-length rows.
+The training forward runs transformers' SDPA attention (``is_causal``, no mask on unpadded prompts;
+on the H200 with torch 2.11 torch picks cuDNN for it); the engine's prefill is the model's own
+forward. This probe measures the mismatch for HF ``generate`` and for the engine: with the decode
+kernel's tiles matched to the training forward's backend (the default) or in another order, and,
+without graphs, the engine's kernel path with one component swapped (SDPA for the attention kernel,
+ungrouped projections) or its eager path. ``--attention-backend`` forces one SDPA backend on every
+call (the teacher-forced forward, the prefill and ``generate``'s decode).
 
 Several seeds per variant, since the sampled tokens (and so the mean) differ between runs.
-Usage: ``python benchmarks/probe_engine_mismatch.py [--layers 36] [--rows 8] [--new 256] [--seeds 3]``
+Usage: ``python benchmarks/probe_engine_mismatch.py [--layers 36] [--rows 8] [--new 256] [--seeds 3]
+[--attention-backend FLASH_ATTENTION] [--only "hf|engine"]``
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import statistics
 
 import torch
@@ -40,6 +44,14 @@ def sdpa_decode(q, k_cache, v_cache, lengths, scaling):
     return out[:, :, 0]
 
 
+def sdpa_kernel_attention(q, k_cache, v_cache, slots, lengths, scale, **options):
+    """A stand-in for the Triton decode kernel in the engine's kernel path (eager, equal-length rows):
+    unmasked SDPA over the live prefix, as ``generate`` runs it."""
+    if options.get("quantize_output"):
+        raise ValueError("the SDPA stand-in needs the engine's fused epilogues off")
+    return sdpa_decode(q, k_cache[slots], v_cache[slots], lengths, scale)
+
+
 def kernel_us(options: dict) -> dict:
     """Microseconds per decode-attention call (8B shape: 32 / 8 heads of 128), live length 256 of 384."""
     from jetrl_trainer.kernels.triton_decode_attention import decode_attention
@@ -55,13 +67,33 @@ def kernel_us(options: dict) -> dict:
 
 
 @contextlib.contextmanager
-def patched_decode(decode):
-    saved = engine_module.decode_attention
+def patched_decode(decode, kernel_attention=None):
+    """The eager path's decode attention, and the kernel path's attention kernel, replaced."""
+    from jetrl_trainer.kernels import triton_decode_attention as kernel_module
+
+    saved, saved_kernel = engine_module.decode_attention, kernel_module.decode_attention
     engine_module.decode_attention = decode or saved
+    kernel_module.decode_attention = kernel_attention or saved_kernel
     try:
         yield
     finally:
-        engine_module.decode_attention = saved
+        engine_module.decode_attention, kernel_module.decode_attention = saved, saved_kernel
+
+
+def build_engine(model, spec: dict) -> DecodeEngine:
+    engine = DecodeEngine(model, cuda_graphs=spec.get("graphs", True))
+    engine.attention_options.update(spec.get("attention", {}))
+    engine.grouped_projections = spec.get("grouped", True)
+    engine.fused_epilogues = spec.get("fused", True)
+    if spec.get("kernel_eager"):  # the kernel path (Triton RoPE/append, grouped GEMMs) without graphs
+        engine.cuda_graphs = False
+        step = engine.decode_step  # the kernels index slots and tokens as contiguous vectors (graphs copy them so)
+
+        def kernel_step(cache, slots, tokens):
+            return step(cache, slots.contiguous(), tokens.contiguous(), kernel=True)
+
+        engine.decode_step = kernel_step
+    return engine
 
 
 def main() -> None:
@@ -70,44 +102,69 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=8)
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--attention-backend", default="default",
+                    help="an SDPBackend name (e.g. FLASH_ATTENTION) for every SDPA call: the teacher-forced forward, "
+                         "the prefill and generate's decode")  # fmt: skip
+    ap.add_argument("--only", default="", help="variant names to run, separated by |  (default: all)")
     args = ap.parse_args()
     model = build_model(args.layers)
     g = torch.Generator().manual_seed(0)
     ps = [torch.randint(100, 150000, (PROMPT,), generator=g).tolist() for _ in range(args.rows)]
     config = GenerationConfig(max_new_tokens=args.new, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
                               pad_token_id=0, eos_token_id=[-1])  # fmt: skip
+    plain = dict(grouped=False, fused=False, kernel_eager=True)  # one module call per projection
     variants = {
         "hf": None,
-        "engine (splits 8, block 32)": dict(),
-        "engine splits 1": dict(attention=dict(splits=1)),
-        "engine flash order, splits 1, block 64": dict(attention=dict(splits=1, block_n=64, flash_order=True)),
-        "engine flash order, splits 1, block 128": dict(attention=dict(splits=1, block_n=128, flash_order=True)),
-        "engine flash order, splits 8, block 64": dict(attention=dict(splits=8, block_n=64, flash_order=True)),
-        "engine eager, sdpa decode": dict(decode=sdpa_decode, graphs=False, seeds=1),
+        "engine": dict(),
+        "engine, 64-position tiles in flash order": dict(attention=dict(block_n=64, flash_order=True)),
+        "engine, 128-position tiles oldest first": dict(attention=dict(block_n=128, flash_order=False)),
+        # Isolation: the kernel path without graphs, one component changed at a time.
+        "kernel path eager, ungrouped, unfused": dict(plain),
+        "kernel path eager, ungrouped, unfused, SDPA attention": dict(plain, kernel_attention=sdpa_kernel_attention),
+        "kernel path eager, grouped, unfused": dict(plain, grouped=True),
+        "kernel path eager, grouped, unfused, SDPA attention": dict(plain, grouped=True,
+                                                                    kernel_attention=sdpa_kernel_attention),
+        "engine eager (model's RoPE), SDPA attention": dict(decode=sdpa_decode, graphs=False),
     }
+    if args.only:
+        variants = {n: variants[n] for n in args.only.split("|")}
     rows = {}
+    backend = contextlib.nullcontext
+    if args.attention_backend != "default":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        backend = functools.partial(sdpa_kernel, getattr(SDPBackend, args.attention_backend))
     for name, spec in variants.items():
-        values, first = [], []
-        for seed in range((spec or {}).get("seeds", args.seeds)):
-            with torch.no_grad(), precision_phase("rollout"):
-                if spec is None:
-                    torch.manual_seed(seed)
-                    ids, lps = generate_with_logprobs(model, ps, config, pad_token_id=0, eos_token_ids=[-1])
-                else:
-                    with patched_decode(spec.get("decode")):
-                        engine = DecodeEngine(model, cuda_graphs=spec.get("graphs", True))
-                        engine.attention_options = spec.get("attention", {})
-                        ids, lps = engine.generate(ps, config, eos_token_ids=[-1], seed=seed)
+        try:
+            rows[name] = measure(model, ps, config, spec, args, backend)
+        except RuntimeError as error:  # e.g. a forced SDPA backend that refuses this call
+            rows[name] = dict(error=str(error).splitlines()[0][:300])
+        print(name, rows[name], flush=True)
+    dump(dict(benchmark="engine_mismatch_probe", env=environment(), layers=args.layers, rows_per_run=args.rows,
+              attention_backend=args.attention_backend, new_tokens=args.new, variants=rows))  # fmt: skip
+
+
+def measure(model, ps, config, spec, args, backend) -> dict:
+    """Mean |Δlogp| of one variant over ``args.seeds`` rollouts (and of the first token alone)."""
+    values, first = [], []
+    for seed in range((spec or {}).get("seeds", args.seeds)):
+        with torch.no_grad(), precision_phase("rollout"), backend():
+            if spec is None:
+                torch.manual_seed(seed)
+                ids, lps = generate_with_logprobs(model, ps, config, pad_token_id=0, eos_token_ids=[-1])
+            else:
+                with patched_decode(spec.get("decode"), spec.get("kernel_attention")):
+                    engine = build_engine(model, spec)
+                    ids, lps = engine.generate(ps, config, eos_token_ids=[-1], seed=seed)
+        with backend():
             values.append(mismatch(model, ps, ids, lps, rows=args.rows))
             # the first token comes from the prefill logits alone; the rest from decode steps
             first.append(mismatch(model, ps, [r[:1] for r in ids], [r[:1] for r in lps], rows=args.rows))
-        rows[name] = dict(mean_abs=[round(x, 4) for x in values], mean=round(statistics.mean(values), 4),
-                          first_token=round(statistics.mean(first), 4))  # fmt: skip
-        if spec is not None and "decode" not in spec:
-            rows[name]["kernel_us"] = kernel_us(spec.get("attention", {}))
-        print(name, rows[name], flush=True)
-    dump(dict(benchmark="engine_mismatch_probe", env=environment(), layers=args.layers, rows_per_run=args.rows,
-              new_tokens=args.new, variants=rows))  # fmt: skip
+    row = dict(mean_abs=[round(x, 4) for x in values], mean=round(statistics.mean(values), 4),
+               first_token=round(statistics.mean(first), 4))  # fmt: skip
+    if spec is not None and not ({"decode", "kernel_attention", "kernel_eager"} & spec.keys()):
+        row["kernel_us"] = kernel_us(spec.get("attention", {}))
+    return row
 
 
 if __name__ == "__main__":

@@ -6,9 +6,11 @@ and unnormalized output ``acc`` in FP32. Positions past the row's length are nev
 (slot, KV head, position), dequantized to the query dtype as they are loaded.
 Phase 2, one program per (row, query head): rescales and sums the splits. With one split
 (``DIRECT``) phase 1 writes the normalized output itself, the same bits phase 2 would give.
-``FLASH_ORDER`` follows flash attention's arithmetic instead (tiles newest first, exp2 of raw scores
-times scale·log2(e), normalized by a reciprocal), so that with one split of the training kernel's
-tile size the summation order is closer to the training forward's.
+``FLASH_ORDER`` follows flash attention 2's arithmetic instead (tiles newest first, exp2 of raw scores
+times scale·log2(e), normalized by a reciprocal); without it, tiles run oldest first with exp of
+scaled scores and a division, the order cuDNN's attention sums in. With one split of the training
+kernel's tile size, either reproduces that kernel's output on all but a few in 10,000 elements
+(``benchmarks/probe_attention_bits.py``).
 ``QUANT``: the output's 1×128 FP8 quantization (one group per head, ``D`` = 128) is written too, from
 the rounded output, by the functions of ``_triton_quant_jit`` (the bits of ``quantize_fp8_groups``
 of the ``[B, H·D]`` output): the o projection's activation quant costs no launch of its own.
@@ -38,7 +40,7 @@ def _store_output(o, out_ptr, oq_ptr, os_ptr, b, heads, d, h_ok, stride_ob, stri
 @triton.jit
 def decode_attention_split_kernel(
     q_ptr, k_ptr, v_ptr, slots_ptr, lengths_ptr, m_ptr, l_ptr, acc_ptr, ks_ptr, vs_ptr, out_ptr,
-    oq_ptr, os_ptr, scale,
+    oq_ptr, os_ptr, scale, scale_log2,
     stride_qb, stride_qh,
     stride_ks, stride_kh, stride_kt,
     stride_vs, stride_vh, stride_vt,
@@ -66,7 +68,6 @@ def decode_attention_split_kernel(
     k_base = k_ptr + slot * stride_ks + kvh * stride_kh
     v_base = v_ptr + slot * stride_vs + kvh * stride_vh
     scale_base = slot * stride_ss + kvh * stride_sh  # FP8 caches: one scale per (position, KV head)
-    scale_log2 = scale * 1.4426950408889634  # FLASH_ORDER: exp2 of raw scores times scale·log2(e)
     for i in range(TILES):  # static trip count (a loaded bound cannot drive a loop in the interpreter)
         if FLASH_ORDER:  # newest tile first, as flash attention walks a causal row
             t0 = start + (TILES - 1 - i) * BLOCK_N

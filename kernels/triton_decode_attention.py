@@ -22,6 +22,7 @@ rounded to the cache dtype, as flash attention does).
 
 from __future__ import annotations
 
+import struct
 from typing import Optional
 
 import torch
@@ -32,17 +33,22 @@ from .triton_rope_append import check_kv_scales
 
 __all__ = ["decode_attention", "decode_attention_reference", "plan_splits"]
 
-# Positions per tile and the order of arithmetic, from benchmarks/probe_engine_mismatch.py on the
-# H200 (8B shape, 36 layers): one split of 64-position tiles in flash attention's order took 33 / 73
-# us per call at batch 64 / 256 against 36 / 115 us for 8 splits of 32 (docs/benchmarks.md §7), with
-# the same unified-flow mismatch.
+# Positions per tile and the order of arithmetic when the caller names none: flash attention's
+# (benchmarks/probe_attention_bits.py). The engine passes the pair that reproduces the SDPA backend of
+# its training forward instead (rollout/engine/attention.py: 128 positions, oldest first, for cuDNN).
 BLOCK_N = 64
 FLASH_ORDER = True
+LOG2E = 1.4426950408889634
+
 # A split costs a partial write and a reduce; it pays only while rows x KV heads leave SMs idle
 # and each split still gets several tiles.
 MIN_TILES_PER_SPLIT = 4
 # One split writes its output from phase 1 (one launch fewer); False (tests) runs phase 2 anyway.
 DIRECT_SINGLE_SPLIT = True
+
+
+def _fp32(x: float) -> float:
+    return struct.unpack("f", struct.pack("f", x))[0]
 
 
 def plan_splits(rows: int, kv_heads: int, max_len: int, block_n: int, sms: int) -> int:
@@ -95,9 +101,11 @@ def _decode_attention_op(
     fp8 = k_scale is not None
     direct = splits == 1 and DIRECT_SINGLE_SPLIT
     pdl = pdl_launch(q.device)
+    # Flash attention's host computes scale·log2(e) in FP64 from the FP32 scale, then rounds it to FP32.
+    scale_log2 = _fp32(_fp32(scale) * LOG2E)
     jit.decode_attention_split_kernel[(B, h_kv, splits)](
         q, k_cache, v_cache, slots, lengths, m, l, acc, k_scale if fp8 else m, v_scale if fp8 else m, out,
-        oq.view(torch.uint8), os_, scale,
+        oq.view(torch.uint8), os_, scale, scale_log2,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), m.stride(0), m.stride(1),
         acc.stride(0), acc.stride(1), acc.stride(2),
@@ -110,7 +118,7 @@ def _decode_attention_op(
         return out, oq, os_
     jit.decode_attention_reduce_kernel[(B, H)](
         m, l, acc, out, oq.view(torch.uint8), os_, m.stride(0), m.stride(1), acc.stride(0), acc.stride(1), acc.stride(2),
-        out.stride(0), out.stride(1), float(scale) * 1.4426950408889634, SPLITS=splits,
+        out.stride(0), out.stride(1), scale_log2, SPLITS=splits,
         S_PAD=max(2, 1 << (splits - 1).bit_length()), D=D, FLASH_ORDER=flash_order, num_warps=4, **out_q, **pdl,
     )  # fmt: skip
     return out, oq, os_

@@ -1,7 +1,15 @@
 """Decode attention for the engine over each row's live KV only (prefill is the model's own forward).
 
-This is the pure-torch reference (CPU, and any device without the engine's GPU kernels).
-It is GQA-aware: query head ``h`` reads KV head ``h // (H / H_kv)``, as HF's ``repeat_kv``.
+`decode_attention` is the pure-torch reference (CPU, and any device without the engine's GPU
+kernels). It is GQA-aware: query head ``h`` reads KV head ``h // (H / H_kv)``, as HF's ``repeat_kv``.
+
+`matched_arithmetic` picks how the Triton decode kernel sums (tile size, tile order) so that it
+reproduces the attention kernel torch runs in the training forward (transformers' SDPA call: causal,
+no mask, GQA). Measured on the H200 with torch 2.11 (`benchmarks/probe_attention_bits.py`, 8B head
+layout, positions up to 383): torch picks cuDNN there, and oldest-first 128-position tiles give its
+output on all but 0.06% of elements (64-position tiles in flash attention's order: 23%; ``generate``'s
+one-query cuDNN call: 2.1%); under flash attention, newest-first 64-position tiles in its exp2 form
+give all but 0.002%. Over 36 random layers the difference decides the unified-flow mismatch.
 """
 
 from __future__ import annotations
@@ -9,8 +17,35 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention import SDPBackend
 
-__all__ = ["decode_attention"]
+__all__ = ["decode_attention", "matched_arithmetic", "training_attention_backend"]
+
+# Decode-kernel options (kernels/triton_decode_attention.decode_attention) per SDPA backend of the
+# training forward; any other backend keeps the kernel's defaults.
+_ARITHMETIC = {
+    SDPBackend.CUDNN_ATTENTION: dict(block_n=128, flash_order=False),
+    SDPBackend.FLASH_ATTENTION: dict(block_n=64, flash_order=True),
+}
+
+
+def training_attention_backend(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                               device: torch.device) -> SDPBackend | None:  # fmt: skip
+    """The SDPA backend torch picks for a training forward's attention on ``device`` (causal, no mask,
+    GQA as transformers passes it), under the backend settings in force now; None where this torch
+    does not say (``torch._fused_sdp_choice`` is private API)."""
+    choose = getattr(torch, "_fused_sdp_choice", None)
+    if choose is None:
+        return None
+    q = torch.empty(1, num_heads, 256, head_dim, dtype=dtype, device=device)
+    kv = torch.empty(1, num_kv_heads, 256, head_dim, dtype=dtype, device=device)
+    choice = choose(q, kv, kv, is_causal=True, enable_gqa=num_heads != num_kv_heads)
+    return next(b for b in SDPBackend.__members__.values() if b.value == choice)
+
+
+def matched_arithmetic(backend: SDPBackend | None) -> dict:
+    """Keyword arguments of the Triton decode kernel that reproduce ``backend``'s sums ({} if unknown)."""
+    return dict(_ARITHMETIC.get(backend, {}))
 
 
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, scaling: float) -> Tensor:

@@ -37,7 +37,7 @@ from jetrl_trainer.quant._handoff import offer_prequantized
 
 from ..hf_generate import left_pad, position_ids_from_mask
 from .architecture import DecoderView
-from .attention import decode_attention
+from .attention import decode_attention, matched_arithmetic, training_attention_backend
 from .graphs import DecodeGraphs, cuda_graphs_available
 from .kv_cache import KVCache
 from .sampling import TokenSampler, unsupported_generation_reason
@@ -128,8 +128,15 @@ class DecodeEngine:
         self.max_batch_size = max_batch_size
         self.kv_fp8 = check_choice("kv_cache_dtype", kv_cache_dtype, KV_CACHE_DTYPES) == "fp8"
         self.cuda_graphs = cuda_graphs_available(self.view.device) if cuda_graphs is None else cuda_graphs
-        # Keyword arguments of the Triton decode attention (splits, block_n, flash_order): a benchmark knob.
+        # Keyword arguments of the Triton decode attention (splits, block_n, flash_order): the tile size
+        # and order that reproduce the training forward's SDPA kernel (attention.py); benchmarks change them.
+        self.training_attention = None
         self.attention_options: dict = {}
+        if self.view.device.type == "cuda":
+            v = self.view
+            self.training_attention = training_attention_backend(v.num_heads, v.num_kv_heads, v.head_dim, v.dtype,
+                                                                 v.device)  # fmt: skip
+            self.attention_options = matched_arithmetic(self.training_attention)
         # Queue step t + 1 before waiting for step t (see generate); False waits after every step (benchmarks).
         self.look_ahead = True
         # q/k/v and gate/up as one FP8 decode launch each in the kernel path (projections.py); False
