@@ -57,8 +57,13 @@ def test_prefill_gives_the_training_forwards_kv_for_padded_prompts():
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_a_padded_bf16_batch_has_no_position_mismatch(tmp_path, precision):
     # 4 prompts of 1-10 characters in one generation batch, a BF16 model: before the scorer numbered
-    # positions, this measured 8.4e-4 (bf16/bf16) and 3.6e-3 (fp8/fp8) mean |dlogp| on CPU.
-    trainer = make_trainer(tmp_path, model=tiny_model().to(torch.bfloat16), rollout_backend="hf",
+    # positions, this measured 8.4e-4 (bf16/bf16) and 3.6e-3 (fp8/fp8) mean |dlogp| on CPU. Eager
+    # attention: on a CPU without AVX-512 (an AVX2 AMD EPYC, 2026-12-04), torch's BF16 SDPA sums a
+    # masked one-query decode step in another order than the full forward (3e-4 here, positions
+    # numbered or not), which would hide what this test measures.
+    model = tiny_model().to(torch.bfloat16)
+    model.config._attn_implementation = "eager"
+    trainer = make_trainer(tmp_path, model=model, rollout_backend="hf",
                            train_precision=precision, rollout_precision=precision, max_completion_length=8,
                            per_device_train_batch_size=16)  # fmt: skip
     trainer.train_dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": "1" * (1 + 3 * i)}]
