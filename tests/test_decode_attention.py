@@ -177,6 +177,20 @@ def test_matched_arithmetic_per_training_backend():
     assert matched_arithmetic(SDPBackend.CUDNN_ATTENTION)["block_n"] == 128, "callers get a copy"
 
 
+def test_the_user_is_told_whether_the_decode_attention_matches_the_training_forward(caplog):
+    import logging
+
+    from torch.nn.attention import SDPBackend
+
+    from jetrl_trainer.rollout.engine.attention import arithmetic_note
+
+    assert arithmetic_note(None) is None  # the CPU path: nothing to say
+    level, text = arithmetic_note(SDPBackend.CUDNN_ATTENTION)
+    assert level == logging.INFO and "CUDNN_ATTENTION" in text
+    level, text = arithmetic_note(SDPBackend.EFFICIENT_ATTENTION)
+    assert level == logging.WARNING and "does not reproduce" in text and "enable_cudnn_sdp" in text
+
+
 @pytest.mark.gpu
 @CUDA
 @pytest.mark.parametrize("backend", ["default", "FLASH_ATTENTION"])

@@ -294,6 +294,26 @@ def test_unsupported_models_and_options_fall_back_once(caplog):
     ]  # fmt: skip
 
 
+def test_an_unmatched_training_attention_is_said_once(caplog, monkeypatch):
+    """Where torch runs an attention kernel for the training forward whose order the decode kernel
+    does not reproduce, the backend warns once (on CPU no backend is matched: nothing is said)."""
+    from torch.nn.attention import SDPBackend
+
+    import jetrl_trainer.rollout.engine.engine as engine_module
+
+    backend, qwen = _backend(), build_tiny_qwen3(tokenizer()).eval()
+    with caplog.at_level(logging.INFO, logger="jetrl_trainer"):
+        backend.generate(qwen, PROMPTS, _config(do_sample=True))
+    assert caplog.records == []
+    monkeypatch.setattr(engine_module, "training_attention_backend", lambda *a: SDPBackend.EFFICIENT_ATTENTION)
+    monkeypatch.setattr(engine_module.DecodeEngine, "_on_cuda", lambda self: True)
+    with caplog.at_level(logging.INFO, logger="jetrl_trainer"):
+        for _ in range(2):
+            backend.generate(qwen, PROMPTS, _config(do_sample=True))
+    assert [r.levelno for r in caplog.records] == [logging.WARNING]
+    assert "EFFICIENT_ATTENTION" in caplog.records[0].getMessage()
+
+
 def test_zero3_sharded_parameters_fall_back(caplog):
     qwen = build_tiny_qwen3(tokenizer()).eval()
     assert unsupported_model_reason(qwen) is None

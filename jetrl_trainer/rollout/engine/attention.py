@@ -14,12 +14,14 @@ give all but 0.002%. Over 36 random layers the difference decides the unified-fl
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import SDPBackend
 
-__all__ = ["decode_attention", "matched_arithmetic", "training_attention_backend"]
+__all__ = ["arithmetic_note", "decode_attention", "matched_arithmetic", "training_attention_backend"]
 
 # Decode-kernel options (kernels/triton_decode_attention.decode_attention) per SDPA backend of the
 # training forward; any other backend keeps the kernel's defaults.
@@ -46,6 +48,21 @@ def training_attention_backend(num_heads: int, num_kv_heads: int, head_dim: int,
 def matched_arithmetic(backend: SDPBackend | None) -> dict:
     """Keyword arguments of the Triton decode kernel that reproduce ``backend``'s sums ({} if unknown)."""
     return dict(_ARITHMETIC.get(backend, {}))
+
+
+def arithmetic_note(backend: SDPBackend | None) -> tuple[int, str] | None:
+    """(logging level, message) telling the user how the decode attention relates to the training
+    forward's, or None where there is nothing to say (no CUDA backend, e.g. the CPU path)."""
+    if backend is None:
+        return None
+    if backend in _ARITHMETIC:
+        return logging.INFO, (f"jetrl: the engine's decode attention sums in the order of {backend.name}, the attention "
+                              "torch runs in the training forward (unpadded batches).")  # fmt: skip
+    return logging.WARNING, (
+        f"jetrl: torch runs {backend.name} for the training forward's attention here, whose order the engine's "
+        "decode attention does not reproduce: the unified-flow mismatch will be larger than with a matched "
+        "backend (cuDNN or flash attention; torch.backends.cuda.enable_cudnn_sdp / enable_flash_sdp)."
+    )
 
 
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, scaling: float) -> Tensor:

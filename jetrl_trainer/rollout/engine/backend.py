@@ -14,6 +14,7 @@ from jetrl_trainer._choices import KV_CACHE_DTYPES, check_choice
 from ..base import Rollout, RolloutBackend
 from ..hf_generate import HFGenerateBackend
 from .architecture import unsupported_model_reason
+from .attention import arithmetic_note
 from .engine import DecodeEngine, _module_ids
 from .sampling import unsupported_generation_reason
 
@@ -56,19 +57,23 @@ class EngineBackend(RolloutBackend):
     def generate(self, model: nn.Module, prompt_ids: Sequence[Sequence[int]], sampling: GenerationConfig) -> Rollout:
         reason = unsupported_model_reason(model) or unsupported_generation_reason(sampling)
         if reason is not None:
-            if reason not in self._reasons:
-                self._reasons.add(reason)
-                level = logging.WARNING if self.requested == "engine" else logging.INFO
-                logger.log(level, "jetrl: rollout_backend=%r falls back to 'hf': %s", self.requested, reason)
+            level = logging.WARNING if self.requested == "engine" else logging.INFO
+            self._say_once((level, f"jetrl: rollout_backend={self.requested!r} falls back to 'hf': {reason}"))
             self.last_stats = {}  # this rollout did not run the engine
             return self.fallback.generate(model, prompt_ids, sampling)
         engine = self._engine_for(model, self._max_batch_size(prompt_ids, sampling))
+        self._say_once(arithmetic_note(engine.training_attention))
         seed = int(torch.randint(0, 2**62, ()).item())
         ids, logprobs = engine.generate(
             prompt_ids, sampling, eos_token_ids=self.eos_token_ids, seed=seed, pad_token_id=self.pad_token_id
         )
         self.last_stats = engine.last_stats
         return Rollout(ids, logprobs)
+
+    def _say_once(self, note: tuple[int, str] | None) -> None:
+        if note is not None and note[1] not in self._reasons:
+            self._reasons.add(note[1])
+            logger.log(*note)
 
     def _engine_for(self, model: nn.Module, max_batch_size: int | None) -> DecodeEngine:
         kept = self._engine
