@@ -26,6 +26,7 @@ from _common import copy_bandwidth_gbs, dump, environment, profile_kernels
 from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
 from jetrl_trainer.kernels import available_gemm_backends, use_gemm_backend
+from jetrl_trainer.kernels import triton_decode_attention as attention_kernel
 from jetrl_trainer.kernels import triton_decode_gemm as dg
 from jetrl_trainer.quant import QuantLinear, precision_phase, quantize_model
 from jetrl_trainer.rollout import generate_with_logprobs, left_pad
@@ -381,7 +382,13 @@ def main() -> None:
                     help="rows up to which FP8 linears take the split-K decode kernel (triton_decode_gemm.DECODE_MAX_M)")
     ap.add_argument("--launch", default="",
                     help="decode-kernel launch overrides, e.g. 'MAX_BLOCK_M=128;num_warps=8' (triton_decode_gemm.LAUNCH)")
+    ap.add_argument("--attention-launch", default="",
+                    help="decode-attention launch overrides, e.g. 'num_warps=8;num_stages=2' "
+                         "(triton_decode_attention.LAUNCH)")  # fmt: skip
     args = ap.parse_args()
+    for part in filter(None, (p.strip() for p in args.attention_launch.split(";"))):
+        key, _, value = part.partition("=")
+        attention_kernel.LAUNCH[key] = int(value)
     if args.decode_max_m:
         dg.DECODE_MAX_M = args.decode_max_m
     for part in filter(None, (p.strip() for p in args.launch.split(";"))):
@@ -395,7 +402,7 @@ def main() -> None:
         profiled = tuple(args.profile.split(","))
         profile = {f"b{b}": profile_step(model, b, args.new, profiled) for b in map(int, args.batches.split(","))}
         dump(dict(benchmark="rollout_profile", env=environment(), layers=args.layers, decode_max_m=dg.DECODE_MAX_M,
-                  launch=dict(dg.LAUNCH), step_profile=profile))  # fmt: skip
+                  launch=dict(dg.LAUNCH), attention_launch=dict(attention_kernel.LAUNCH), step_profile=profile))  # fmt: skip
         return
     if args.variants:
         rows = []

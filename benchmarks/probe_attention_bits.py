@@ -1,16 +1,20 @@
 """How many output bits does the decode attention kernel share with the training forward's attention?
 
-The training forward runs SDPA over the whole sequence (causal, no mask on unpadded rows: the flash
-kernel). A decode step attends one query to the same keys. This probe builds random BF16 q/k/v of an
-8B layout (32 query heads, 8 KV heads, head_dim 128), runs the causal SDPA once, and for several
+The training forward runs SDPA over the whole sequence (causal, no mask on unpadded rows; torch picks
+the backend: cuDNN on the H200 with torch 2.11). A decode step attends one query to the same keys.
+This probe builds random BF16 q/k/v of an 8B layout (32 query heads, 8 KV heads, head_dim 128), runs the causal SDPA once, and for several
 positions ``t`` compares row ``t`` of it, bit for bit, with:
 
 * SDPA with one query over the first ``t + 1`` keys (what HF ``generate`` runs at decode);
-* the Triton decode kernel under each combination of its arithmetic knobs
-  (``kernels/triton_decode_attention.py``: ``dot_accumulate``, ``fa2_row_sums``, ``reciprocal``).
+* the Triton decode kernel with each tile size (64, 128) and order (flash attention's, newest tile
+  first; or oldest first), under each launch setting given (``--launch``; warps share a tile's row
+  sums, so their number can change the bits).
 
-It prints, per variant, the fraction of output elements that differ and the largest difference.
-Usage: ``python benchmarks/probe_attention_bits.py [--length 384] [--rows 8]``
+It prints, per variant, the fraction of output elements that differ and the largest difference, and
+for the kernel its time per call inside a CUDA graph at batch 64 and 256 (8B layout, 192 live
+positions of a 384-position cache, the planned splits): what the engine's decode step pays.
+Usage: ``python benchmarks/probe_attention_bits.py [--length 384] [--rows 8] [--target FLASH_ATTENTION]
+[--launch "num_warps=8;num_warps=8,num_stages=2"]``
 """
 
 from __future__ import annotations
@@ -20,9 +24,10 @@ import itertools
 
 import torch
 import torch.nn.functional as F
-from _common import dump, environment
+from _common import bench_graph_ms, dump, environment
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from jetrl_trainer.kernels import triton_decode_attention as attention_kernel
 from jetrl_trainer.kernels.triton_decode_attention import decode_attention
 
 H, H_KV, D = 32, 8, 128
@@ -33,10 +38,26 @@ def compare(got: torch.Tensor, want: torch.Tensor) -> dict:
     return dict(differ=round(differ.float().mean().item(), 6), max_abs=float((got.float() - want.float()).abs().max()))
 
 
+def graph_us(options: dict) -> dict:
+    """Microseconds per decode-attention call in a CUDA graph, batch 64 and 256, 192 live of 384 positions."""
+    out = {}
+    for batch in (64, 256):
+        q = torch.randn(batch, H, D, device="cuda", dtype=torch.bfloat16)
+        kv = torch.randn(batch + 1, H_KV, 384, D, device="cuda", dtype=torch.bfloat16)
+        slots = torch.arange(batch, device="cuda")
+        lengths = torch.full((batch,), 192, device="cuda")
+        call = lambda: decode_attention(q, kv, kv, slots, lengths, 0.088, **options)  # noqa: E731
+        out[f"b{batch}"] = round(1e3 * bench_graph_ms(call), 1)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--length", type=int, default=384)
     ap.add_argument("--rows", type=int, default=8)
+    ap.add_argument("--launch", default="",
+                    help="';'-separated launch settings to compare, each like 'num_warps=8,num_stages=2' "
+                         "(the shipped one runs first)")  # fmt: skip
     ap.add_argument("--target", default="default", help="the causal SDPA to compare with: default or an SDPBackend name")
     ap.add_argument("--positions", default="0,63,64,127,128,200,255,300,383")
     args = ap.parse_args()
@@ -71,12 +92,13 @@ def main() -> None:
     positions = [int(t) for t in args.positions.split(",") if int(t) < args.length]
     slots = torch.arange(args.rows, device="cuda")
     variants = {"sdpa one query (generate)": None}
-    for block_n, flash_order, fa2_sum in itertools.product((64, 128), (True, False), (False, True)):
-        if fa2_sum and not flash_order:
-            continue
-        variants[f"kernel block_n={block_n} flash_order={int(flash_order)} fa2_sum={int(fa2_sum)}"] = dict(
-            block_n=block_n, flash_order=flash_order, fa2_row_sums=fa2_sum
-        )
+    launches = [dict(attention_kernel.LAUNCH)]
+    for setting in filter(None, args.launch.split(";")):
+        launches.append(dict(launches[0], **{k: int(v) for k, v in (p.split("=") for p in setting.split(","))}))
+    for launch, block_n, flash_order in itertools.product(launches, (64, 128), (True, False)):
+        settings = ",".join(f"{k}={v}" for k, v in launch.items())
+        name = f"kernel block_n={block_n} flash_order={int(flash_order)} {settings}"
+        variants[name] = dict(block_n=block_n, flash_order=flash_order, launch=launch)
     for name, options in variants.items():
         got, want = [], []
         for t in positions:
@@ -85,10 +107,15 @@ def main() -> None:
                 out = F.scaled_dot_product_attention(q[:, :, t : t + 1], k[:, :, : t + 1], v[:, :, : t + 1], scale=scale,
                                                      enable_gqa=True)[:, :, 0]  # fmt: skip
             else:
-                out = decode_attention(q[:, :, t].contiguous(), k, v, slots, lengths, scale, splits=1, **options)
+                attention_kernel.LAUNCH.clear()
+                attention_kernel.LAUNCH.update(options["launch"])
+                kernel_options = {k: o for k, o in options.items() if k != "launch"}
+                out = decode_attention(q[:, :, t].contiguous(), k, v, slots, lengths, scale, splits=1, **kernel_options)
             got.append(out)
             want.append(full[:, :, t])
         result["variants"][name] = compare(torch.stack(got), torch.stack(want))
+        if options is not None:
+            result["variants"][name]["graph_us"] = graph_us({k: o for k, o in options.items() if k != "launch"})
         print(name, result["variants"][name], flush=True)
     dump(dict(benchmark="attention_bits_probe", env=environment(), length=args.length, rows=args.rows,
               positions=positions, **result))  # fmt: skip

@@ -40,6 +40,11 @@ BLOCK_N = 64
 FLASH_ORDER = True
 LOG2E = 1.4426950408889634
 
+# Launch parameters of the split kernel (a benchmark knob: bench_rollout.py --attention-launch,
+# probe_attention_bits.py --launch). The warps share a tile's row sums, so their number can change
+# the sums' order; probe_attention_bits.py says how far from the training forward a setting lands.
+LAUNCH = {"num_warps": 4}
+
 # A split costs a partial write and a reduce; it pays only while rows x KV heads leave SMs idle
 # and each split still gets several tiles.
 MIN_TILES_PER_SPLIT = 4
@@ -112,7 +117,7 @@ def _decode_attention_op(
         k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0, out.stride(0), out.stride(1),
         GROUPS=groups, G_PAD=max(16, 1 << (groups - 1).bit_length()), D=D, BLOCK_N=block_n, TILES=tiles,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # FP32 caches: no silent TF32
-        KV_FP8=fp8, FLASH_ORDER=flash_order, DIRECT=direct, num_warps=4, **out_q, **pdl,
+        KV_FP8=fp8, FLASH_ORDER=flash_order, DIRECT=direct, **LAUNCH, **out_q, **pdl,
     )  # fmt: skip
     if direct:
         return out, oq, os_
