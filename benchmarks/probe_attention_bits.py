@@ -13,8 +13,10 @@ positions ``t`` compares row ``t`` of it, bit for bit, with:
 It prints, per variant, the fraction of output elements that differ and the largest difference, and
 for the kernel its time per call inside a CUDA graph at batch 64 and 256 (8B layout, 192 live
 positions of a 384-position cache, the planned splits): what the engine's decode step pays.
+With ``--pad N`` it also takes a left-padded batch through the masked call transformers makes for it
+(see `padded`): which backend torch picks there, and how close each decode variant lands.
 Usage: ``python benchmarks/probe_attention_bits.py [--length 384] [--rows 8] [--target FLASH_ATTENTION]
-[--launch "num_warps=8;num_warps=8,num_stages=2"]``
+[--launch "num_warps=8;num_warps=8,num_stages=2"] [--pad 48]``
 """
 
 from __future__ import annotations
@@ -51,6 +53,49 @@ def graph_us(options: dict) -> dict:
     return out
 
 
+def padded(args, q, k, v, variants: dict) -> dict:
+    """A left-padded batch as the trainer's forward sees it: row ``b`` starts with ``pads[b]`` pads, and
+    transformers passes a 4D boolean mask (causal and padding) with K/V repeated to every head. The
+    engine's cache holds each row's live positions from slot position 0, so a decode query at padded
+    position ``t`` attends to ``t - pads[b] + 1`` cached positions. Which backend torch picks for the
+    masked call, and how many output elements each decode variant shares with it (live positions only)."""
+    rows, length = q.shape[0], q.shape[2]
+    pads = [(b * args.pad) // max(1, rows - 1) for b in range(rows)]
+    live = torch.ones(rows, length, dtype=torch.bool, device="cuda")
+    for b, pad in enumerate(pads):
+        live[b, :pad] = False
+    causal = torch.ones(length, length, dtype=torch.bool, device="cuda").tril()
+    mask = causal[None, None] & live[:, None, None, :]  # (B, 1, L, L), True = attend
+    k_rep, v_rep = (x.repeat_interleave(H // H_KV, dim=1) for x in (k, v))
+    choice = torch._fused_sdp_choice(q, k_rep, v_rep, attn_mask=mask, scale=D**-0.5)
+    backend = next(b.name for b in SDPBackend.__members__.values() if b.value == choice)
+    full = F.scaled_dot_product_attention(q, k_rep, v_rep, attn_mask=mask, scale=D**-0.5)
+    k_cache, v_cache = torch.zeros_like(k), torch.zeros_like(v)
+    for b, pad in enumerate(pads):  # live positions from slot position 0, as the engine stores a prompt
+        k_cache[b, :, : length - pad], v_cache[b, :, : length - pad] = k[b, :, pad:], v[b, :, pad:]
+    slots = torch.arange(rows, device="cuda")
+    positions = [t for t in map(int, args.positions.split(",")) if max(pads) <= t < length]
+    out = dict(pads=pads, backend=backend, variants={})
+    for name, options in variants.items():
+        got, want = [], []
+        for t in positions:
+            if options is None:  # generate: one query over the padded row with the padding mask
+                one = F.scaled_dot_product_attention(q[:, :, t : t + 1], k_rep[:, :, : t + 1], v_rep[:, :, : t + 1],
+                                                     attn_mask=live[:, None, None, : t + 1], scale=D**-0.5)[:, :, 0]  # fmt: skip
+            else:
+                attention_kernel.LAUNCH.clear()
+                attention_kernel.LAUNCH.update(options["launch"])
+                lengths = torch.tensor([t - pad + 1 for pad in pads], device="cuda")
+                kernel_options = {k: o for k, o in options.items() if k != "launch"}
+                one = decode_attention(q[:, :, t].contiguous(), k_cache, v_cache, slots, lengths, D**-0.5, splits=1,
+                                       **kernel_options)  # fmt: skip
+            got.append(one)
+            want.append(full[:, :, t])
+        out["variants"][name] = compare(torch.stack(got), torch.stack(want))
+        print("padded:", name, out["variants"][name], flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--length", type=int, default=384)
@@ -60,6 +105,9 @@ def main() -> None:
                          "(the shipped one runs first)")  # fmt: skip
     ap.add_argument("--target", default="default", help="the causal SDPA to compare with: default or an SDPBackend name")
     ap.add_argument("--positions", default="0,63,64,127,128,200,255,300,383")
+    ap.add_argument("--pad", type=int, default=0,
+                    help="also a left-padded batch (rows padded by 0 to this many positions): the masked call "
+                         "transformers makes for it, against the engine's unpadded cache")  # fmt: skip
     args = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(args.rows, H, args.length, D, device="cuda", generator=g).bfloat16()
@@ -117,6 +165,8 @@ def main() -> None:
         if options is not None:
             result["variants"][name]["graph_us"] = graph_us({k: o for k, o in options.items() if k != "launch"})
         print(name, result["variants"][name], flush=True)
+    if args.pad:
+        result["padded"] = padded(args, q, k, v, variants)
     dump(dict(benchmark="attention_bits_probe", env=environment(), length=args.length, rows=args.rows,
               positions=positions, **result))  # fmt: skip
 
