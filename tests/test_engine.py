@@ -299,14 +299,18 @@ def test_an_unmatched_training_attention_is_said_once(caplog, monkeypatch):
     does not reproduce, the backend warns once (on CPU no backend is matched: nothing is said)."""
     from torch.nn.attention import SDPBackend
 
-    import jetrl_trainer.rollout.engine.engine as engine_module
-
     backend, qwen = _backend(), build_tiny_qwen3(tokenizer()).eval()
     with caplog.at_level(logging.INFO, logger="jetrl_trainer"):
         backend.generate(qwen, PROMPTS, _config(do_sample=True))
     assert caplog.records == []
-    monkeypatch.setattr(engine_module, "training_attention_backend", lambda *a: SDPBackend.EFFICIENT_ATTENTION)
-    monkeypatch.setattr(engine_module.DecodeEngine, "_on_cuda", lambda self: True)
+    engine_for = backend._engine_for
+
+    def engine_on_a_gpu_running_efficient_attention(*args):  # what DecodeEngine would find there
+        engine = engine_for(*args)
+        engine.training_attention = SDPBackend.EFFICIENT_ATTENTION
+        return engine
+
+    monkeypatch.setattr(backend, "_engine_for", engine_on_a_gpu_running_efficient_attention)
     with caplog.at_level(logging.INFO, logger="jetrl_trainer"):
         for _ in range(2):
             backend.generate(qwen, PROMPTS, _config(do_sample=True))

@@ -49,7 +49,7 @@ class EngineBackend(RolloutBackend):
         self.fallback = fallback
         self.kv_cache_tokens = kv_cache_tokens
         self.kv_cache_dtype = check_choice("kv_cache_dtype", kv_cache_dtype, KV_CACHE_DTYPES)
-        self._reasons: set[str] = set()
+        self._said: set[str] = set()  # notes already logged (fallback reasons, the attention match)
         self.keep_state = keep_state
         self._engine: DecodeEngine | None = None  # kept between calls with keep_state
         self.last_stats: dict = {}  # DecodeEngine.last_stats of the last engine call
@@ -71,8 +71,8 @@ class EngineBackend(RolloutBackend):
         return Rollout(ids, logprobs)
 
     def _say_once(self, note: tuple[int, str] | None) -> None:
-        if note is not None and note[1] not in self._reasons:
-            self._reasons.add(note[1])
+        if note is not None and note[1] not in self._said:
+            self._said.add(note[1])
             logger.log(*note)
 
     def _engine_for(self, model: nn.Module, max_batch_size: int | None) -> DecodeEngine:

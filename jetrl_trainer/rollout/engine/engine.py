@@ -132,7 +132,7 @@ class DecodeEngine:
         # and order that reproduce the training forward's SDPA kernel (attention.py); benchmarks change them.
         self.training_attention = None
         self.attention_options: dict = {}
-        if self._on_cuda():
+        if self.view.device.type == "cuda":
             v = self.view
             self.training_attention = training_attention_backend(v.num_heads, v.num_kv_heads, v.head_dim, v.dtype,
                                                                  v.device)  # fmt: skip
@@ -154,9 +154,6 @@ class DecodeEngine:
         # The last generate call: wall seconds, the host's prefill seconds, the seconds spent capturing
         # CUDA graphs, how many were captured, and how often the running batch changed.
         self.last_stats: dict = {}
-
-    def _on_cuda(self) -> bool:
-        return self.view.device.type == "cuda"
 
     @torch.no_grad()
     def generate(
