@@ -2,8 +2,12 @@
 
 Phase 1, one program per (row, KV head, split): the G query heads that share the KV head attend
 to the split's live positions with an online softmax; it writes its running max ``m``, sum ``l``
-and unnormalized output ``acc`` in FP32. Positions past the row's length are never loaded. ``KV_FP8``: FP8 caches with one FP32 scale per
-(slot, KV head, position), dequantized to the query dtype as they are loaded.
+and unnormalized output ``acc`` in FP32. The loop runs over the live tiles only (a trip count read from
+the row's length), so positions past it are never loaded and the next tile's loads pipeline
+(``LOOP_STAGES``). ``HAS_PADS``: a row's tiles start ``pads[b] mod BLOCK_N`` positions before its
+first cached one, where the training forward's tiles over the left-padded row start.
+``KV_FP8``: FP8 caches with one FP32 scale per (slot, KV head, position), dequantized to the query
+dtype as they are loaded.
 Phase 2, one program per (row, query head): rescales and sums the splits. With one split
 (``DIRECT``) phase 1 writes the normalized output itself, the same bits phase 2 would give.
 ``FLASH_ORDER`` follows flash attention 2's arithmetic instead (tiles newest first, exp2 of raw scores
@@ -38,8 +42,39 @@ def _store_output(o, out_ptr, oq_ptr, os_ptr, b, heads, d, h_ok, stride_ob, stri
 
 
 @triton.jit
+def _attend_tile(q, m_i, l_i, acc, t0, end, d, k_base, v_base, ks_ptr, vs_ptr, scale_base, stride_kt, stride_vt,
+                 scale, scale_log2, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
+                 FLASH_ORDER: tl.constexpr):  # fmt: skip
+    """One online-softmax step over the ``BLOCK_N`` positions from ``t0`` (those outside ``[0, end)`` masked)."""
+    t = t0 + tl.arange(0, BLOCK_N)
+    t_ok = (t >= 0) & (t < end)  # before 0: the training forward's padding, masked there too
+    k = tl.load(k_base + t[:, None] * stride_kt + d[None, :], mask=t_ok[:, None], other=0.0)
+    if KV_FP8:  # dequantized to the query dtype, as KVCache.read does for the reference
+        k_s = tl.load(ks_ptr + scale_base + t, mask=t_ok, other=0.0)
+        k = (k.to(tl.float32) * k_s[:, None]).to(q.dtype)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # (G_PAD, BLOCK_N), FP32, unscaled
+    if not FLASH_ORDER:
+        s = s * scale
+    s = tl.where(t_ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    if FLASH_ORDER:  # the running max stays in raw score units
+        alpha = tl.math.exp2((m_i - m_new) * scale_log2)
+        p = tl.math.exp2(s * scale_log2 - (m_new * scale_log2)[:, None])
+    else:
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(v_base + t[:, None] * stride_vt + d[None, :], mask=t_ok[:, None], other=0.0)
+    if KV_FP8:
+        v_s = tl.load(vs_ptr + scale_base + t, mask=t_ok, other=0.0)
+        v = (v.to(tl.float32) * v_s[:, None]).to(q.dtype)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def decode_attention_split_kernel(
-    q_ptr, k_ptr, v_ptr, slots_ptr, lengths_ptr, m_ptr, l_ptr, acc_ptr, ks_ptr, vs_ptr, out_ptr,
+    q_ptr, k_ptr, v_ptr, slots_ptr, lengths_ptr, pads_ptr, m_ptr, l_ptr, acc_ptr, ks_ptr, vs_ptr, out_ptr,
     oq_ptr, os_ptr, scale, scale_log2,
     stride_qb, stride_qh,
     stride_ks, stride_kh, stride_kt,
@@ -47,16 +82,20 @@ def decode_attention_split_kernel(
     stride_mb, stride_mh,
     stride_ab, stride_ah, stride_as,
     stride_ss, stride_sh, stride_ob, stride_oh,
-    GROUPS: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr,
+    tiles,  # BLOCK_N-position tiles per split: a runtime value, so a new cache length compiles nothing
+    GROUPS: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, KV_FP8: tl.constexpr, FLASH_ORDER: tl.constexpr, DIRECT: tl.constexpr,
     H: tl.constexpr, QUANT: tl.constexpr, UE8M0: tl.constexpr, PDL: tl.constexpr = False,
+    HAS_PADS: tl.constexpr = False, LOOP_STAGES: tl.constexpr = 1,
 ):  # fmt: skip
     pdl_enter(PDL)
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     length = tl.load(lengths_ptr + b).to(tl.int32)
     slot = tl.load(slots_ptr + b).to(tl.int64)
-    start = split * TILES * BLOCK_N
-    end = tl.minimum(start + TILES * BLOCK_N, length)
+    start = split * tiles * BLOCK_N
+    if HAS_PADS:  # tiles as the training forward lays them over the left-padded row: the first one starts
+        start -= tl.load(pads_ptr + b).to(tl.int32) % BLOCK_N  # (pads mod BLOCK_N) positions before slot position 0
+    end = tl.minimum(start + tiles * BLOCK_N, length)
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D)
     heads = kvh * GROUPS + g
@@ -68,36 +107,15 @@ def decode_attention_split_kernel(
     k_base = k_ptr + slot * stride_ks + kvh * stride_kh
     v_base = v_ptr + slot * stride_vs + kvh * stride_vh
     scale_base = slot * stride_ss + kvh * stride_sh  # FP8 caches: one scale per (position, KV head)
-    for i in range(TILES):  # static trip count (a loaded bound cannot drive a loop in the interpreter)
+    n_tiles = tl.cdiv(tl.maximum(end - start, 0), BLOCK_N)  # live tiles only: their loads pipeline
+    for i in tl.range(0, n_tiles, num_stages=LOOP_STAGES):
         if FLASH_ORDER:  # newest tile first, as flash attention walks a causal row
-            t0 = start + (TILES - 1 - i) * BLOCK_N
+            t0 = start + (n_tiles - 1 - i) * BLOCK_N
         else:
             t0 = start + i * BLOCK_N
-        if t0 < end:  # tiles past the row's length are skipped: their KV is never read
-            t = t0 + tl.arange(0, BLOCK_N)
-            t_ok = t < end
-            k = tl.load(k_base + t[:, None] * stride_kt + d[None, :], mask=t_ok[:, None], other=0.0)
-            if KV_FP8:  # dequantized to the query dtype, as KVCache.read does for the reference
-                k_s = tl.load(ks_ptr + scale_base + t, mask=t_ok, other=0.0)
-                k = (k.to(tl.float32) * k_s[:, None]).to(q.dtype)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # (G_PAD, BLOCK_N), FP32, unscaled
-            if not FLASH_ORDER:
-                s = s * scale
-            s = tl.where(t_ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            if FLASH_ORDER:  # the running max stays in raw score units
-                alpha = tl.math.exp2((m_i - m_new) * scale_log2)
-                p = tl.math.exp2(s * scale_log2 - (m_new * scale_log2)[:, None])
-            else:
-                alpha = tl.exp(m_i - m_new)
-                p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_base + t[:, None] * stride_vt + d[None, :], mask=t_ok[:, None], other=0.0)
-            if KV_FP8:
-                v_s = tl.load(vs_ptr + scale_base + t, mask=t_ok, other=0.0)
-                v = (v.to(tl.float32) * v_s[:, None]).to(q.dtype)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m_i = m_new
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, t0, end, d, k_base, v_base, ks_ptr, vs_ptr, scale_base,
+                                     stride_kt, stride_vt, scale, scale_log2, BLOCK_N, PRECISION, KV_FP8,
+                                     FLASH_ORDER)  # fmt: skip
     if DIRECT:  # one split: the normalized output, as phase 2 would compute it with a weight of exactly 1
         if FLASH_ORDER:
             o = acc * (1.0 / l_i)[:, None]

@@ -43,7 +43,11 @@ LOG2E = 1.4426950408889634
 # Launch parameters of the split kernel (a benchmark knob: bench_rollout.py --attention-launch,
 # probe_attention_bits.py --launch). The warps share a tile's row sums, so their number can change
 # the sums' order; probe_attention_bits.py says how far from the training forward a setting lands.
-LAUNCH = {"num_warps": 4}
+# LOOP_STAGES: software-pipelining depth of the tile loop. H200, 8B head layout, 192 live positions
+# of 384, in a CUDA graph (2026-12-04): 128-position tiles 16.7 -> 14.7 us at batch 64 and
+# 66.6 -> 46.0 us at 256 with 2 stages against the earlier unpipelined loop, same bits; 3 stages and
+# 8 warps were slower.
+LAUNCH = {"num_warps": 4, "LOOP_STAGES": 2}
 
 # A split costs a partial write and a reduce; it pays only while rows x KV heads leave SMs idle
 # and each split still gets several tiles.
@@ -89,12 +93,14 @@ def decode_attention_reference(
 def _decode_attention_op(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, lengths: Tensor, scale: float, splits: int,
     k_scale: Optional[Tensor], v_scale: Optional[Tensor], block_n: int, flash_order: bool, quant_format: str,
+    pads: Optional[Tensor],
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     jit = load_jit("_triton_decode_attention_jit")
     B, H, D = q.shape
     h_kv, T = k_cache.shape[1], k_cache.shape[2]
     groups = H // h_kv
-    tiles = cdiv(cdiv(T, splits), block_n)  # block_n-position tiles per split
+    span = T + (block_n - 1 if pads is not None else 0)  # pads shift a row's tiles by up to block_n - 1
+    tiles = cdiv(cdiv(span, splits), block_n)  # block_n-position tiles per split
     m = torch.empty((B, H, splits), dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     acc = torch.empty((B, H, splits, D), dtype=torch.float32, device=q.device)
@@ -109,15 +115,15 @@ def _decode_attention_op(
     # Flash attention's host computes scale·log2(e) in FP64 from the FP32 scale, then rounds it to FP32.
     scale_log2 = _fp32(_fp32(scale) * LOG2E)
     jit.decode_attention_split_kernel[(B, h_kv, splits)](
-        q, k_cache, v_cache, slots, lengths, m, l, acc, k_scale if fp8 else m, v_scale if fp8 else m, out,
+        q, k_cache, v_cache, slots, lengths, pads if pads is not None else lengths, m, l, acc, k_scale if fp8 else m, v_scale if fp8 else m, out,
         oq.view(torch.uint8), os_, scale, scale_log2,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), m.stride(0), m.stride(1),
         acc.stride(0), acc.stride(1), acc.stride(2),
-        k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0, out.stride(0), out.stride(1),
-        GROUPS=groups, G_PAD=max(16, 1 << (groups - 1).bit_length()), D=D, BLOCK_N=block_n, TILES=tiles,
+        k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0, out.stride(0), out.stride(1), tiles,
+        GROUPS=groups, G_PAD=max(16, 1 << (groups - 1).bit_length()), D=D, BLOCK_N=block_n,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # FP32 caches: no silent TF32
-        KV_FP8=fp8, FLASH_ORDER=flash_order, DIRECT=direct, **LAUNCH, **out_q, **pdl,
+        KV_FP8=fp8, FLASH_ORDER=flash_order, DIRECT=direct, HAS_PADS=pads is not None, **LAUNCH, **out_q, **pdl,
     )  # fmt: skip
     if direct:
         return out, oq, os_
@@ -130,7 +136,7 @@ def _decode_attention_op(
 
 
 @_decode_attention_op.register_fake
-def _(q, k_cache, v_cache, slots, lengths, scale, splits, k_scale, v_scale, block_n, flash_order, quant_format):
+def _(q, k_cache, v_cache, slots, lengths, scale, splits, k_scale, v_scale, block_n, flash_order, quant_format, pads):
     B, H, D = q.shape
     quant = bool(quant_format)
     return (
@@ -144,6 +150,7 @@ def decode_attention(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, lengths: Tensor, scale: float, *,
     splits: Optional[int] = None, k_scale: Optional[Tensor] = None, v_scale: Optional[Tensor] = None,
     block_n: int = BLOCK_N, flash_order: bool = FLASH_ORDER, quantize_output: Optional[str] = None,
+    pads: Optional[Tensor] = None,
 ) -> Tensor | tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """Attention of ``q`` ``(B, H, D)`` over each row's live cached positions; see the module table.
 
@@ -152,7 +159,11 @@ def decode_attention(
     (a power of two >= 16); ``flash_order`` uses flash attention's order of arithmetic (see the jit module);
     ``splits`` defaults to :func:`plan_splits` for this GPU. ``quantize_output`` (a scale format,
     ``"fp32"`` or ``"ue8m0"``; head_dim 128) also returns the output's 1×128 FP8 quantization as
-    ``(out, q [B, H·D], s [B, H])``, bit-identical to ``quantize_fp8_groups(out.reshape(B, H·D))``."""
+    ``(out, q [B, H·D], s [B, H])``, bit-identical to ``quantize_fp8_groups(out.reshape(B, H·D))``.
+    ``pads`` ``[B]`` (integers >= 0): how many left-padding positions precede row ``b``'s first cached
+    one in the training forward's padded batch. A tiled training kernel starts its tiles at the padded
+    row's position 0, so row ``b``'s tiles here start ``pads[b] mod block_n`` positions early (masked),
+    on the same boundaries; the sums then follow that kernel's order on padded rows too."""
     if q.device.type != "cuda":
         raise ValueError("decode_attention is a CUDA kernel; on CPU use decode_attention_reference.")
     B, H, D = q.shape
@@ -168,6 +179,8 @@ def decode_attention(
     fp8 = k_scale is not None
     if (not fp8 and q.dtype != k_cache.dtype) or q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("q and the caches (unless FP8) must share a dtype and have unit stride along head_dim.")
+    if pads is not None and (pads.shape != (B,) or pads.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"pads must be an int32 / int64 tensor of shape ({B},); got {pads.dtype} {tuple(pads.shape)}.")
     if splits is None:
         splits = plan_splits(B, k_cache.shape[1], k_cache.shape[2], block_n, sm_count(q.device))
     if splits < 1:
@@ -177,5 +190,5 @@ def decode_attention(
         if D != 128:
             raise ValueError(f"quantize_output needs head_dim 128 (one 1x128 group per head); got {D}.")
     out, oq, os_ = call_op(_decode_attention_op, q, k_cache, v_cache, slots, lengths, float(scale), int(splits),
-                           k_scale, v_scale, int(block_n), bool(flash_order), quantize_output or "")  # fmt: skip
+                           k_scale, v_scale, int(block_n), bool(flash_order), quantize_output or "", pads)  # fmt: skip
     return (out, oq, os_) if quantize_output is not None else out

@@ -227,3 +227,72 @@ def test_matched_decode_reproduces_the_training_forwards_attention(backend):
         differ[name] = wrong / (8 * 4 * 32 * 128)
     assert differ["matched"] < 2e-3, differ
     assert differ["other"] > 20 * max(differ["matched"], 1e-4), differ
+
+
+@pytest.mark.gpu
+@CUDA
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("flash_order", [False, True])
+def test_pads_move_only_the_tile_boundaries(splits, flash_order):
+    """Pad counts start each row's tiles up to block_n - 1 positions before its slot position 0
+    (masked): the attention is the reference's, nothing outside a row's live positions is read, and
+    pads that are multiples of block_n give the bits of no pads at all (one split)."""
+    _need_triton()
+    q, k, v, slots, lengths = _inputs(6, 32, 8, 300, 128, 6, torch.bfloat16, device="cuda")
+    for b in range(6):
+        k[slots[b], :, lengths[b] :] = float("nan")
+        v[slots[b], :, lengths[b] :] = float("nan")
+    options = dict(splits=splits, block_n=128, flash_order=flash_order)
+    pads = torch.tensor([0, 1, 127, 128, 200, 1000], device="cuda")
+    out = decode_attention(q, k, v, slots, lengths, 0.088, pads=pads, **options)
+    ref = decode_attention_reference(q, k.nan_to_num(0.0), v.nan_to_num(0.0), slots, lengths, 0.088)
+    assert torch.isfinite(out).all() and torch.allclose(out.float(), ref.float(), atol=3e-2, rtol=0)
+    if splits == 1:
+        whole_tiles = torch.tensor([0, 128, 256, 384, 512, 1024], device="cuda")
+        assert torch.equal(decode_attention(q, k, v, slots, lengths, 0.088, pads=whole_tiles, **options),
+                           decode_attention(q, k, v, slots, lengths, 0.088, **options))  # fmt: skip
+    with pytest.raises(ValueError, match="pads must be"):
+        decode_attention(q, k, v, slots, lengths, 0.088, pads=pads.float(), **options)
+
+
+@pytest.mark.gpu
+@CUDA
+def test_matched_decode_lines_its_tiles_up_with_a_padded_training_forward():
+    """A left-padded batch as transformers runs it in the training forward (4D boolean mask, K/V
+    repeated per head), against the engine's cache, which holds each row's live positions from slot
+    position 0: with the rows' pad counts the matched tiles fall on the forward's boundaries and give
+    its bits on all but a few elements in 1,000; without them (the engine before), several in 100."""
+    import torch.nn.functional as F
+
+    from jetrl_trainer.rollout.engine.attention import matched_arithmetic, training_attention_backend
+
+    _need_triton()
+    rows, length = 4, 512
+    pads = [0, 45, 150, 260]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(rows, h, length, 128, device="cuda", generator=g).bfloat16() for h in (32, 8, 8))
+    live = torch.ones(rows, length, dtype=torch.bool, device="cuda")
+    for b, pad in enumerate(pads):
+        live[b, :pad] = False
+    mask = torch.ones(length, length, dtype=torch.bool, device="cuda").tril()[None, None] & live[:, None, None, :]
+    k_rep, v_rep = (x.repeat_interleave(4, dim=1) for x in (k, v))
+    options = matched_arithmetic(training_attention_backend(32, 8, 128, torch.bfloat16, torch.device("cuda")))
+    if options.get("block_n") != 128:
+        pytest.skip("torch does not pick cuDNN attention for the training forward here")
+    full = F.scaled_dot_product_attention(q, k_rep, v_rep, attn_mask=mask, scale=128**-0.5)
+    k_cache, v_cache = torch.zeros_like(k), torch.zeros_like(v)
+    for b, pad in enumerate(pads):  # live positions from slot position 0, as the engine stores a prompt
+        k_cache[b, :, : length - pad], v_cache[b, :, : length - pad] = k[b, :, pad:], v[b, :, pad:]
+    slots = torch.arange(rows, device="cuda")
+    differ = {}
+    for name, pad_counts in (("aligned", torch.tensor(pads, device="cuda")), ("unaligned", None)):
+        wrong = total = 0
+        for t in (260, 300, 383, 384, 400, 511):
+            lengths = torch.tensor([t - pad + 1 for pad in pads], device="cuda")
+            out = decode_attention(q[:, :, t].contiguous(), k_cache, v_cache, slots, lengths, 128**-0.5, splits=1,
+                                   pads=pad_counts, **options)  # fmt: skip
+            wrong += int((out != full[:, :, t]).sum())
+            total += out.numel()
+        differ[name] = wrong / total
+    assert differ["aligned"] < 2e-3, differ
+    assert differ["unaligned"] > 10 * max(differ["aligned"], 1e-4), differ
