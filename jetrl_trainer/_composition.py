@@ -88,6 +88,7 @@ def build_rollout_backend(trainer: Any, *, diffusion: bool) -> tuple[RolloutBack
             eos_token_ids=trainer.eos_token_ids, pad_token_id=tokenizer.pad_token_id, fallback=backend,
             kv_cache_tokens=args.rollout_kv_cache_tokens, kv_cache_dtype=args.rollout_kv_cache_dtype,
             requested=args.rollout_backend, keep_state=args.rollout_keep_engine_state,
+            pad_to_multiple_of=trainer.pad_to_multiple_of,
         )  # fmt: skip
     return backend, trainer.generation_config
 

@@ -235,9 +235,9 @@ def test_each_distinct_prompt_is_prefilled_once(monkeypatch):
     rows = []
     original = DecodeEngine.prefill
 
-    def spy(self, prompts, pad_token_id):
+    def spy(self, prompts, *args):
         rows.append(len(prompts))
-        return original(self, prompts, pad_token_id)
+        return original(self, prompts, *args)
 
     monkeypatch.setattr(DecodeEngine, "prefill", spy)
     model = build_tiny_qwen3(tokenizer()).eval()
@@ -265,10 +265,40 @@ def test_prefill_gives_the_training_forwards_kv_for_unpadded_prompts():
     assert torch.allclose(logits, out.logits[:, -1].float(), atol=1e-6, rtol=0)
 
 
-def _backend():
+def test_slots_carry_their_prompts_left_padding_in_the_trainers_batch():
+    """A slot's pad count is its prompt's left padding in the batch the trainer pads for its training
+    forward (TRL: to the longest prompt, rounded up to pad_to_multiple_of); the decode attention
+    kernel lines its tiles up with that forward's by it. The prefill runs on that very padding."""
+    model = build_tiny_qwen3(tokenizer()).eval()
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [5, 6, 7, 8, 9]]
+    widths = []
+    for multiple, pads in ((None, [4, 0, 2]), (4, [5, 1, 3])):
+        engine = DecodeEngine(model, keep_state=True)
+        prefill = engine.prefill
+
+        def spy(*args, prefill=prefill):
+            keys, values, logits = prefill(*args)
+            widths.append(keys[0].shape[2])  # (prompts, kv heads, padded length, head dim)
+            return keys, values, logits
+
+        engine.prefill = spy
+        engine.generate(prompts, _config(max_new_tokens=3), eos_token_ids=[-1], seed=0, pad_to_multiple_of=multiple)
+        assert engine._kept.cache.pads[:3].tolist() == pads  # sequence i runs in slot i here
+    assert widths == [7, 8]
+    backend = _backend(pad_to_multiple_of=4, keep_state=True)  # the trainer hands its padding to the backend
+    backend.generate(model, prompts, _config(max_new_tokens=3))
+    assert backend._engine._kept.cache.pads[:3].tolist() == [5, 1, 3]
+
+
+def test_the_trainer_tells_the_engine_how_it_pads_prompts(tmp_path):
+    trainer = make_trainer(tmp_path, rollout_backend="engine", pad_to_multiple_of=8)
+    assert trainer.rollout_backend.pad_to_multiple_of == trainer.pad_to_multiple_of == 8
+
+
+def _backend(**kw):
     tok = tokenizer()
     hf = HFGenerateBackend(pad_token_id=tok.pad_token_id, eos_token_ids=[tok.eos_token_id])
-    return EngineBackend(eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id, fallback=hf)
+    return EngineBackend(eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id, fallback=hf, **kw)
 
 
 def test_unsupported_models_and_options_fall_back_once(caplog):

@@ -33,7 +33,8 @@ class EngineBackend(RolloutBackend):
     ``keep_state=True`` keeps one engine with its KV cache and CUDA graphs between calls
     (:class:`~.engine.DecodeEngine`), so rollouts after the first skip the graph captures; the memory
     stays held through training. Each call draws its sampling seed from torch's global RNG, so
-    ``set_seed`` reproduces rollouts.
+    ``set_seed`` reproduces rollouts. ``pad_to_multiple_of``: the trainer's (TRL's) prompt padding,
+    so that the engine pads its prefill as the training forward's batch is padded.
     """
 
     name = "engine"
@@ -41,7 +42,7 @@ class EngineBackend(RolloutBackend):
     def __init__(
         self, *, eos_token_ids: Sequence[int], pad_token_id: int, fallback: HFGenerateBackend,
         kv_cache_tokens: int | None = None, kv_cache_dtype: str = "auto", requested: str = "engine",
-        keep_state: bool = False,
+        keep_state: bool = False, pad_to_multiple_of: int | None = None,
     ) -> None:  # fmt: skip
         self.requested = requested  # "auto": a fallback is the expected path for other models, said at INFO
         self.eos_token_ids = list(eos_token_ids)
@@ -51,6 +52,7 @@ class EngineBackend(RolloutBackend):
         self.kv_cache_dtype = check_choice("kv_cache_dtype", kv_cache_dtype, KV_CACHE_DTYPES)
         self._said: set[str] = set()  # notes already logged (fallback reasons, the attention match)
         self.keep_state = keep_state
+        self.pad_to_multiple_of = pad_to_multiple_of  # the trainer's prompt padding (see DecodeEngine.generate)
         self._engine: DecodeEngine | None = None  # kept between calls with keep_state
         self.last_stats: dict = {}  # DecodeEngine.last_stats of the last engine call
 
@@ -65,7 +67,8 @@ class EngineBackend(RolloutBackend):
         self._say_once(arithmetic_note(engine.training_attention))
         seed = int(torch.randint(0, 2**62, ()).item())
         ids, logprobs = engine.generate(
-            prompt_ids, sampling, eos_token_ids=self.eos_token_ids, seed=seed, pad_token_id=self.pad_token_id
+            prompt_ids, sampling, eos_token_ids=self.eos_token_ids, seed=seed, pad_token_id=self.pad_token_id,
+            pad_to_multiple_of=self.pad_to_multiple_of,
         )
         self.last_stats = engine.last_stats
         return Rollout(ids, logprobs)

@@ -159,8 +159,13 @@ class DecodeEngine:
     def generate(
         self, prompt_ids: Sequence[Sequence[int]], config: GenerationConfig, *, eos_token_ids: Sequence[int],
         seed: int, pad_token_id: int = 0, row_budgets: Sequence[int] | None = None,
+        pad_to_multiple_of: int | None = None,
     ) -> tuple[list[list[int]], list[list[float]]]:  # fmt: skip
         """One completion per prompt (stopped after its first EOS, kept) and per-token log-probs.
+
+        The prompts are left-padded as the trainer pads them for its training forward (TRL: to the
+        longest prompt, rounded up to ``pad_to_multiple_of``): the prefill runs on that batch, and the
+        decode attention lines its tiles up with the training forward's over those padded rows.
 
         ``row_budgets`` (benchmarks, tests) stops sequence ``i`` after ``row_budgets[i]`` tokens, as
         an EOS there would: variable-length rollouts on a random model that never emits EOS.
@@ -172,7 +177,8 @@ class DecodeEngine:
         distinct: dict[tuple[int, ...], int] = {}
         seqs = [_Sequence(i, distinct.setdefault(tuple(p), len(distinct))) for i, p in enumerate(prompt_ids)]
         prompts = list(distinct)
-        store_k, store_v, first_logits = self.prefill(prompts, pad_token_id)
+        store_k, store_v, first_logits = self.prefill(prompts, pad_token_id, pad_to_multiple_of)
+        width = store_k[0].shape[2]  # the padded prompt length, as the training forward's batch has it
         prefilled_at = time.perf_counter()  # the host's side: the GPU may still be prefilling
         slots = min(len(seqs), self.max_batch_size or len(seqs))
         v = self.view
@@ -242,7 +248,8 @@ class DecodeEngine:
                 by_prompt.setdefault(s.prompt, []).append(slot)
             for prompt, prompt_slots in by_prompt.items():
                 slot_index = torch.tensor(prompt_slots, device=v.device)
-                cache.store_encoded(slot_index, encoded_k, encoded_v, row=prompt, length=len(prompts[prompt]))
+                length = len(prompts[prompt])
+                cache.store_encoded(slot_index, encoded_k, encoded_v, row=prompt, length=length, pad=width - length)
             if started:  # first token from the prefill logits of each one's prompt
                 logits = first_logits[torch.tensor([s.prompt for _, s in started], device=v.device)]
                 record(started, to_host.wait(to_host.start(*sampler.sample(logits, *step_inputs(started)[2:]))))
@@ -300,7 +307,9 @@ class DecodeEngine:
                 pointers += [t.data_ptr() for t in module.cached_weight_tensors()]
         return tuple(pointers)
 
-    def prefill(self, prompts: list[tuple[int, ...]], pad_token_id: int) -> tuple[list[Tensor], list[Tensor], Tensor]:
+    def prefill(
+        self, prompts: list[tuple[int, ...]], pad_token_id: int, pad_to_multiple_of: int | None = None
+    ) -> tuple[list[Tensor], list[Tensor], Tensor]:
         """Keys/values per layer ``(N, H_kv, P, D)`` of the left-padded distinct prompts, and the
         FP32 logits ``(N, V)`` at each prompt's last token.
 
@@ -309,7 +318,7 @@ class DecodeEngine:
         forward computes for the same prompt (on the H200 an engine-owned masked prefill measured
         0.19 mean |Δlogp| on the first token of the 8B-shaped model, against 0.0 for this call)."""
         v = self.view
-        ids, mask = left_pad(prompts, pad_token_id)
+        ids, mask = left_pad(prompts, pad_token_id, pad_to_multiple_of)
         ids, mask = ids.to(v.device), mask.to(v.device)
         positions = position_ids_from_mask(mask)  # as generate's prepare_inputs
         cache = DynamicCache()
@@ -329,6 +338,7 @@ class DecodeEngine:
         v = self.view
         positions = cache.lengths[slots][:, None]
         lengths = cache.lengths[slots] + 1
+        pads = cache.pads[slots] if kernel else None
 
         def attend(layer: int, q: Tensor, k: Tensor, val: Tensor) -> Tensor:
             cache.append(layer, slots, k[:, :, 0], val[:, :, 0])
@@ -345,12 +355,14 @@ class DecodeEngine:
                             qk_norms=v.qk_norms[layer] if v.qk_norms else None, **scales)  # fmt: skip
             o_proj = v.o_groups[layer] if self.fused_epilogues and v.o_groups else None
             fmt = o_proj.input_scale_format() if o_proj is not None and q.shape[-1] == 128 else None
+            # pads: tiles on the training forward's boundaries over the padded rows
+            options = dict(scales, pads=pads, **self.attention_options)
             if fmt is None:
-                out = attention_kernel(q, k_cache, v_cache, slots, lengths, v.scaling, **scales, **self.attention_options)
+                out = attention_kernel(q, k_cache, v_cache, slots, lengths, v.scaling, **options)
                 return out[:, :, None]
             # The o projection's 1x128 activation quant, written by the attention kernel (one group per head).
-            out, out_q, out_s = attention_kernel(q, k_cache, v_cache, slots, lengths, v.scaling, **scales,
-                                                 quantize_output=fmt, **self.attention_options)  # fmt: skip
+            out, out_q, out_s = attention_kernel(q, k_cache, v_cache, slots, lengths, v.scaling, quantize_output=fmt,
+                                                 **options)  # fmt: skip
             flat = out.view(out.shape[0], 1, -1)  # (B, 1, H * D), the tensor o_proj receives
             offer_prequantized(flat, out_q, out_s, fmt)
             return flat

@@ -36,6 +36,9 @@ class KVCache:
         self.k_scale = torch.ones(shape[:-1], dtype=torch.float32, device=device) if fp8 else None
         self.v_scale = torch.ones_like(self.k_scale) if fp8 else None
         self.lengths = torch.zeros(num_slots, dtype=torch.long, device=device)
+        # Left-padding positions before each slot's prompt in the training forward's padded batch: the
+        # decode attention kernel lines its tiles up with that forward's (kernels/triton_decode_attention).
+        self.pads = torch.zeros(num_slots, dtype=torch.long, device=device)
 
     @property
     def fp8(self) -> bool:
@@ -69,11 +72,12 @@ class KVCache:
 
     def store_encoded(
         self, slots: Tensor, k: tuple[Tensor, Tensor | None], v: tuple[Tensor, Tensor | None], *, row: int,
-        length: int,
+        length: int, pad: int = 0,
     ) -> None:  # fmt: skip
         """Start ``slots`` (a 1-D index) with one prompt: the last ``length`` positions of ``row`` of the
         left-padded prompts' keys/values ``(layers, N, kv_heads, P, head_dim)``, already in the cache
-        format (:meth:`encode`), for every layer at once; their lengths become ``length``.
+        format (:meth:`encode`), for every layer at once; their lengths become ``length`` and their
+        pads ``pad`` (the prompt's left padding in the training forward's batch).
 
         One copy per tensor whatever the number of layers and slots (GRPO starts the generations of
         a prompt together): a slot at a time and a layer at a time was 72 launches per sequence on
@@ -81,6 +85,7 @@ class KVCache:
         picked = [tuple(t[:, row, None, :, -length:] if t is not None else None for t in x) for x in (k, v)]
         self._write((slice(None), slots, slice(None), slice(0, length)), *picked)
         self.lengths[slots] = length
+        self.pads[slots] = pad
 
     def append(self, layer: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
         """Write one new token per row (``k``, ``v``: ``(B, kv_heads, head_dim)``) at ``lengths[slots]``."""
