@@ -29,7 +29,7 @@ from jetrl_trainer.kernels import available_gemm_backends, use_gemm_backend
 from jetrl_trainer.kernels import triton_decode_attention as attention_kernel
 from jetrl_trainer.kernels import triton_decode_gemm as dg
 from jetrl_trainer.quant import QuantLinear, precision_phase, quantize_model
-from jetrl_trainer.rollout import generate_with_logprobs, left_pad
+from jetrl_trainer.rollout import generate_with_logprobs, left_pad, position_ids_from_mask
 from jetrl_trainer.rollout.engine import DecodeEngine
 from jetrl_trainer.rollout.engine import sampling as engine_sampling
 
@@ -105,8 +105,10 @@ def mismatch(model, ps, completions, logprobs, rows: int = 8) -> float:
     full = torch.cat([ids, comp], 1).cuda()
     full_mask = torch.cat([mask, torch.ones_like(comp)], 1).cuda()
     set_train_recipe(model, "fp8")  # the unified flow: train phase FP8 too
+    positions = position_ids_from_mask(full_mask)  # live tokens from 0, as the trainer numbers a padded row
     with torch.no_grad(), precision_phase("train"):
-        logits = model(input_ids=full, attention_mask=full_mask, logits_to_keep=comp.shape[1] + 1).logits[:, :-1]
+        logits = model(input_ids=full, attention_mask=full_mask, position_ids=positions,
+                       logits_to_keep=comp.shape[1] + 1).logits[:, :-1]  # fmt: skip
         lp = torch.log_softmax(logits.float(), -1).gather(-1, comp.cuda()[..., None])[..., 0]
     set_train_recipe(model, "bf16")
     return (lp.cpu() - torch.tensor(logprobs)).abs().mean().item()

@@ -14,7 +14,8 @@ It prints, per variant, the fraction of output elements that differ and the larg
 for the kernel its time per call inside a CUDA graph at batch 64 and 256 (8B layout, 192 live
 positions of a 384-position cache, the planned splits): what the engine's decode step pays.
 With ``--pad N`` it also takes a left-padded batch through the masked call transformers makes for it
-(see `padded`): which backend torch picks there, and how close each decode variant lands.
+(see `padded`): which backend torch picks there, and how close each decode variant lands, with and
+without the pad counts that line its tiles up with the padded row's.
 Usage: ``python benchmarks/probe_attention_bits.py [--length 384] [--rows 8] [--target FLASH_ATTENTION]
 [--launch "num_warps=8;num_warps=8,num_stages=2"] [--pad 48]``
 """
@@ -41,14 +42,16 @@ def compare(got: torch.Tensor, want: torch.Tensor) -> dict:
 
 
 def graph_us(options: dict) -> dict:
-    """Microseconds per decode-attention call in a CUDA graph, batch 64 and 256, 192 live of 384 positions."""
+    """Microseconds per decode-attention call in a CUDA graph, batch 64 and 256, 192 live of 384 positions
+    (pad counts 0-127, as the engine passes them)."""
     out = {}
     for batch in (64, 256):
         q = torch.randn(batch, H, D, device="cuda", dtype=torch.bfloat16)
         kv = torch.randn(batch + 1, H_KV, 384, D, device="cuda", dtype=torch.bfloat16)
         slots = torch.arange(batch, device="cuda")
         lengths = torch.full((batch,), 192, device="cuda")
-        call = lambda: decode_attention(q, kv, kv, slots, lengths, 0.088, **options)  # noqa: E731
+        pads = torch.randint(0, 128, (batch,), device="cuda")  # the engine passes its rows' pad counts
+        call = lambda: decode_attention(q, kv, kv, slots, lengths, 0.088, pads=pads, **options)  # noqa: E731
         out[f"b{batch}"] = round(1e3 * bench_graph_ms(call), 1)
     return out
 
@@ -58,7 +61,8 @@ def padded(args, q, k, v, variants: dict) -> dict:
     transformers passes a 4D boolean mask (causal and padding) with K/V repeated to every head. The
     engine's cache holds each row's live positions from slot position 0, so a decode query at padded
     position ``t`` attends to ``t - pads[b] + 1`` cached positions. Which backend torch picks for the
-    masked call, and how many output elements each decode variant shares with it (live positions only)."""
+    masked call, and how many output elements each decode variant shares with it (live positions only),
+    with and without the rows' pad counts (``pads``: tiles on the padded row's boundaries)."""
     rows, length = q.shape[0], q.shape[2]
     pads = [(b * args.pad) // max(1, rows - 1) for b in range(rows)]
     live = torch.ones(rows, length, dtype=torch.bool, device="cuda")
@@ -76,7 +80,10 @@ def padded(args, q, k, v, variants: dict) -> dict:
     slots = torch.arange(rows, device="cuda")
     positions = [t for t in map(int, args.positions.split(",")) if max(pads) <= t < length]
     out = dict(pads=pads, backend=backend, variants={})
-    for name, options in variants.items():
+    pad_counts = torch.tensor(pads, device="cuda")
+    runs = [(name, options, aligned) for name, options in variants.items() for aligned in ((False,) if options is None
+            else (False, True))]  # fmt: skip
+    for name, options, aligned in runs:
         got, want = [], []
         for t in positions:
             if options is None:  # generate: one query over the padded row with the padding mask
@@ -88,11 +95,12 @@ def padded(args, q, k, v, variants: dict) -> dict:
                 lengths = torch.tensor([t - pad + 1 for pad in pads], device="cuda")
                 kernel_options = {k: o for k, o in options.items() if k != "launch"}
                 one = decode_attention(q[:, :, t].contiguous(), k_cache, v_cache, slots, lengths, D**-0.5, splits=1,
-                                       **kernel_options)  # fmt: skip
+                                       pads=pad_counts if aligned else None, **kernel_options)  # fmt: skip
             got.append(one)
             want.append(full[:, :, t])
-        out["variants"][name] = compare(torch.stack(got), torch.stack(want))
-        print("padded:", name, out["variants"][name], flush=True)
+        key = name + (" pads" if aligned else "")
+        out["variants"][key] = compare(torch.stack(got), torch.stack(want))
+        print("padded:", key, out["variants"][key], flush=True)
     return out
 
 

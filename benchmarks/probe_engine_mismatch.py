@@ -11,7 +11,7 @@ call (the teacher-forced forward, the prefill and ``generate``'s decode).
 
 Several seeds per variant, since the sampled tokens (and so the mean) differ between runs.
 Usage: ``python benchmarks/probe_engine_mismatch.py [--layers 36] [--rows 8] [--new 256] [--seeds 3]
-[--attention-backend FLASH_ATTENTION] [--only "hf|engine"]``
+[--attention-backend FLASH_ATTENTION] [--only "hf|engine"] [--ragged]``
 """
 
 from __future__ import annotations
@@ -33,6 +33,20 @@ from jetrl_trainer.rollout import generate_with_logprobs
 from jetrl_trainer.rollout.engine import DecodeEngine
 
 PROMPT = 128
+RAGGED = [256, 200, 131, 100, 77, 40, 250, 129]  # --ragged: pads 0, 56, 125, 156, 179, 216, 6, 127
+
+
+@contextlib.contextmanager
+def unaligned_tiles():
+    """The engine as before it lined its attention tiles up with the padded rows: every pad count 0."""
+    from jetrl_trainer.rollout.engine.kv_cache import KVCache
+
+    store = KVCache.store_encoded
+    KVCache.store_encoded = lambda self, *a, pad=0, **kw: store(self, *a, pad=0, **kw)
+    try:
+        yield
+    finally:
+        KVCache.store_encoded = store
 
 
 def sdpa_decode(q, k_cache, v_cache, lengths, scaling):
@@ -106,10 +120,14 @@ def main() -> None:
                     help="an SDPBackend name (e.g. FLASH_ATTENTION) for every SDPA call: the teacher-forced forward, "
                          "the prefill and generate's decode")  # fmt: skip
     ap.add_argument("--only", default="", help="variant names to run, separated by |  (default: all)")
+    ap.add_argument("--ragged", action="store_true",
+                    help="prompts of 8 lengths from 40 to 256 tokens (left pads 0 to 216 in the training forward), "
+                         "and the engine also with its attention tiles not lined up with the padded rows")  # fmt: skip
     args = ap.parse_args()
     model = build_model(args.layers)
     g = torch.Generator().manual_seed(0)
-    ps = [torch.randint(100, 150000, (PROMPT,), generator=g).tolist() for _ in range(args.rows)]
+    lengths = RAGGED if args.ragged else [PROMPT]
+    ps = [torch.randint(100, 150000, (lengths[i % len(lengths)],), generator=g).tolist() for i in range(args.rows)]
     config = GenerationConfig(max_new_tokens=args.new, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
                               pad_token_id=0, eos_token_id=[-1])  # fmt: skip
     plain = dict(grouped=False, fused=False, kernel_eager=True)  # one module call per projection
@@ -126,6 +144,8 @@ def main() -> None:
                                                                     kernel_attention=sdpa_kernel_attention),
         "engine eager (model's RoPE), SDPA attention": dict(decode=sdpa_decode, graphs=False),
     }
+    if args.ragged:
+        variants["engine, tiles not lined up with the padded rows"] = dict(unaligned=True)
     if args.only:
         variants = {n: variants[n] for n in args.only.split("|")}
     rows = {}
@@ -153,7 +173,8 @@ def measure(model, ps, config, spec, args, backend) -> dict:
                 torch.manual_seed(seed)
                 ids, lps = generate_with_logprobs(model, ps, config, pad_token_id=0, eos_token_ids=[-1])
             else:
-                with patched_decode(spec.get("decode"), spec.get("kernel_attention")):
+                aligned = unaligned_tiles() if spec.get("unaligned") else contextlib.nullcontext()
+                with patched_decode(spec.get("decode"), spec.get("kernel_attention")), aligned:
                     engine = build_engine(model, spec)
                     ids, lps = engine.generate(ps, config, eos_token_ids=[-1], seed=seed)
         with backend():
@@ -162,7 +183,7 @@ def measure(model, ps, config, spec, args, backend) -> dict:
             first.append(mismatch(model, ps, [r[:1] for r in ids], [r[:1] for r in lps], rows=args.rows))
     row = dict(mean_abs=[round(x, 4) for x in values], mean=round(statistics.mean(values), 4),
                first_token=round(statistics.mean(first), 4))  # fmt: skip
-    if spec is not None and not ({"decode", "kernel_attention", "kernel_eager"} & spec.keys()):
+    if spec is not None and not ({"decode", "kernel_attention", "kernel_eager", "unaligned"} & spec.keys()):
         row["kernel_us"] = kernel_us(spec.get("attention", {}))
     return row
 
