@@ -447,6 +447,29 @@ def test_backend_keeps_one_engine_only_when_asked():
     assert backend.last_stats == {}
 
 
+def test_a_rollout_mostly_spent_capturing_graphs_suggests_keeping_them_once(caplog, monkeypatch):
+    model = build_tiny_qwen3(tokenizer()).eval()
+    backend = _backend()
+    shares = iter([0.1, 0.6, 0.7, 0.8])  # of each rollout's seconds spent capturing (CPU: no graphs, so faked)
+    generate = DecodeEngine.generate
+
+    def timed(self, *args, **kwargs):
+        out = generate(self, *args, **kwargs)
+        self.last_stats.update(seconds=2.0, capture_seconds=2.0 * next(shares))
+        return out
+
+    monkeypatch.setattr(DecodeEngine, "generate", timed)
+    with caplog.at_level(logging.INFO, logger="jetrl_trainer"):
+        for _ in range(3):
+            backend.generate(model, PROMPTS, _config(do_sample=True))
+    hints = [r.getMessage() for r in caplog.records if "rollout_keep_engine_state=True" in r.getMessage()]
+    assert len(hints) == 1 and "1.20 s of a 2.00 s rollout" in hints[0] and "GiB here" in hints[0], hints
+    backend.keep_state, caplog.records[:] = True, []
+    backend._said.clear()
+    backend.generate(model, PROMPTS, _config(do_sample=True))  # already kept: nothing to suggest
+    assert not [r for r in caplog.records if "rollout_keep_engine_state=True" in r.getMessage()]
+
+
 def test_keep_engine_state_needs_the_engine(tmp_path):
     from _trainer_utils import make_args
 

@@ -152,7 +152,7 @@ class DecodeEngine:
         # FP8 step by -1.3% at batch 64 and +1.3% at 256 (run 23), within run-to-run spread end to end.
         self.programmatic_dependent_launch = False
         # The last generate call: wall seconds, the host's prefill seconds, the seconds spent capturing
-        # CUDA graphs, how many were captured, and how often the running batch changed.
+        # CUDA graphs, how many were captured, how often the running batch changed, and the KV cache's bytes.
         self.last_stats: dict = {}
 
     @torch.no_grad()
@@ -280,7 +280,7 @@ class DecodeEngine:
             seconds=time.perf_counter() - started_at, prefill_host_seconds=prefilled_at - started_at,
             capture_seconds=(graphs.capture_seconds - captured_before) if graphs is not None else 0.0,
             graphs_captured=len(graphs.buckets) if graphs is not None else 0, batch_changes=batch_changes,
-            reused_state=kept is not None,
+            reused_state=kept is not None, kv_cache_bytes=cache.nbytes,
         )  # fmt: skip
         return [s.tokens for s in seqs], [s.logprobs for s in seqs]
 

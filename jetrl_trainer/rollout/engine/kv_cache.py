@@ -48,6 +48,12 @@ class KVCache:
     def max_len(self) -> int:
         return self.k.shape[3]
 
+    @property
+    def nbytes(self) -> int:
+        """Device memory the cache holds (keys, values, FP8 scales, lengths, pads)."""
+        tensors = (self.k, self.v, self.k_scale, self.v_scale, self.lengths, self.pads)
+        return sum(t.nbytes for t in tensors if t is not None)
+
     def encode(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
         """Keys or values ``(..., head_dim)`` in the cache's format: ``(values, scales)``, scales
         ``(...)`` for FP8 and None otherwise. Each head vector is encoded on its own, so encoding a
