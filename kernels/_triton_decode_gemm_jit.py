@@ -24,52 +24,13 @@ from jetrl_trainer.kernels._triton_quant_jit import _amax, _fp8_bits, _scale_fro
 
 
 @triton.jit
-def fp8_decode_gemm_kernel(
-    x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, bias_ptr, xq_ptr, xqs_ptr,
-    M, N, K, stride_xm, stride_xsm, stride_wn, stride_wsn, stride_om,
-    w1_ptr, ws1_ptr, bias1_ptr, out1_ptr, N1, w2_ptr, ws2_ptr, bias2_ptr, out2_ptr, N2,
-    GROUPS_PER_SPLIT: tl.constexpr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    QUANTIZE: tl.constexpr, SWAP: tl.constexpr, HAS_BIAS: tl.constexpr,
-    WRITE_Q: tl.constexpr, UE8M0: tl.constexpr, SEGMENTS: tl.constexpr,
-    PDL: tl.constexpr = False, PREFETCH_GROUPS: tl.constexpr = 0,
-):
-    """``SEGMENTS`` > 1: one launch for two or three weights that share the activation (q/k/v,
-    gate/up). Segment ``s`` (weight ``[N_s, K]`` contiguous, output ``[M, N_s]`` contiguous) owns
-    ``cdiv(N_s, BLOCK_N)`` consecutive N tiles; in the partial sums it sits at column offset
-    ``N_0 + ... + N_{s-1}`` of ``N_0 + N_1 + N_2`` columns."""
-    # N tiles fastest, M tiles slowest: M tiles fastest (programs sharing a weight tile side by side)
-    # made the batch-64 decode step's GEMMs 2.74 -> 3.23 ms on the H200 (run 22), one M tile or not.
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    pid_m = tl.program_id(2)
-    n_total = N
-    col0 = pid_n * 0  # a tensor, not a constexpr: it is rebound inside a runtime branch
-    if SEGMENTS > 1:  # find this tile's segment; rebind its operands (segment 0 keeps the arguments)
-        n_total = N + N1 + N2
-        tiles0 = tl.cdiv(N, BLOCK_N)
-        if pid_n >= tiles0:
-            pid_n -= tiles0
-            col0 = N
-            N, w_ptr, ws_ptr, bias_ptr, out_ptr, stride_om = N1, w1_ptr, ws1_ptr, bias1_ptr, out1_ptr, N1
-            if SEGMENTS > 2:
-                tiles1 = tl.cdiv(N1, BLOCK_N)
-                if pid_n >= tiles1:
-                    pid_n -= tiles1
-                    col0 += N1
-                    N, w_ptr, ws_ptr, bias_ptr, out_ptr, stride_om = N2, w2_ptr, ws2_ptr, bias2_ptr, out2_ptr, N2
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, 128)
-    m_ok = offs_m < M
-    rows_x = tl.where(m_ok, offs_m, 0).to(tl.int64)
-    rows_w = tl.where(offs_n < N, offs_n, 0).to(tl.int64)  # clamp, not mask: no branch in the K loop
-    n_groups = tl.cdiv(K, 128)
-    if PDL:  # the weight is no other kernel's output: stream it before waiting (one 128-byte line per row)
-        for i in tl.static_range(PREFETCH_GROUPS):  # at most GROUPS_PER_SPLIT (the host clamps it)
-            g = tl.minimum(pid_k * GROUPS_PER_SPLIT + i, n_groups - 1)
-            prefetch_l2(w_ptr + rows_w * stride_wn + g * 128)
-    pdl_enter(PDL)
-
+def _k_loop(
+    x_ptr, xs_ptr, ws_ptr, xq_ptr, xqs_ptr, K, stride_xm, stride_xsm, stride_wn, stride_wsn, pid_n, pid_m, pid_k,
+    offs_k, m_ok, rows_x, rows_w, n_groups, w_ptr, x_desc, w_desc,
+    GROUPS_PER_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QUANTIZE: tl.constexpr,
+    SWAP: tl.constexpr, WRITE_Q: tl.constexpr, UE8M0: tl.constexpr, TMA: tl.constexpr,
+):  # fmt: skip
+    """The split's K groups: the FP32 tile ``(BLOCK_N, BLOCK_M)`` with ``SWAP``, else ``(BLOCK_M, BLOCK_N)``."""
     if SWAP:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
@@ -90,16 +51,93 @@ def fp8_decode_gemm_kernel(
                     tl.store(xq_ptr + rows_x[:, None] * K + cols[None, :], bits, mask=x_mask)
                     tl.store(xqs_ptr + rows_x * n_groups + g, sa, mask=m_ok & g_ok)
             a = bits.to(tl.float8e4nv, bitcast=True)
+        elif TMA:  # out of range (rows past M, groups past K) reads zeros, as the masked load
+            a = x_desc.load([pid_m * BLOCK_M, g * 128])
+            sa = tl.load(xs_ptr + rows_x * stride_xsm + g, mask=m_ok & g_ok, other=0.0)
         else:
             a = tl.load(x_ptr + rows_x[:, None] * stride_xm + cols[None, :], mask=x_mask, other=0.0)
             sa = tl.load(xs_ptr + rows_x * stride_xsm + g, mask=m_ok & g_ok, other=0.0)
-        w = tl.load(w_ptr + rows_w[:, None] * stride_wn + cols[None, :], mask=k_ok[None, :], other=0.0)
+        if TMA:
+            w = w_desc.load([pid_n * BLOCK_N, g * 128])
+        else:
+            w = tl.load(w_ptr + rows_w[:, None] * stride_wn + cols[None, :], mask=k_ok[None, :], other=0.0)
         sb = tl.load(ws_ptr + (rows_w // 128) * stride_wsn + g, mask=g_ok, other=0.0)
         if SWAP:
             acc += tl.dot(w, tl.trans(a)) * sb[:, None] * sa[None, :]
         else:
             acc += tl.dot(a, tl.trans(w)) * sa[:, None] * sb[None, :]
+    return acc
 
+
+@triton.jit
+def fp8_decode_gemm_kernel(
+    x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, bias_ptr, xq_ptr, xqs_ptr,
+    M, N, K, stride_xm, stride_xsm, stride_wn, stride_wsn, stride_om,
+    w1_ptr, ws1_ptr, bias1_ptr, out1_ptr, N1, w2_ptr, ws2_ptr, bias2_ptr, out2_ptr, N2,
+    x_desc, w_desc, w1_desc, w2_desc,
+    GROUPS_PER_SPLIT: tl.constexpr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    QUANTIZE: tl.constexpr, SWAP: tl.constexpr, HAS_BIAS: tl.constexpr,
+    WRITE_Q: tl.constexpr, UE8M0: tl.constexpr, SEGMENTS: tl.constexpr,
+    PDL: tl.constexpr = False, PREFETCH_GROUPS: tl.constexpr = 0, TMA: tl.constexpr = False,
+):
+    """``SEGMENTS`` > 1: one launch for two or three weights that share the activation (q/k/v,
+    gate/up). Segment ``s`` (weight ``[N_s, K]`` contiguous, output ``[M, N_s]`` contiguous) owns
+    ``cdiv(N_s, BLOCK_N)`` consecutive N tiles; in the partial sums it sits at column offset
+    ``N_0 + ... + N_{s-1}`` of ``N_0 + N_1 + N_2`` columns.
+
+    ``TMA``: the weight tiles, and a prequantized activation's, come through host-built tensor
+    descriptors (``w_desc`` etc., blocks ``[BLOCK_N, 128]`` and ``[BLOCK_M, 128]``) instead of
+    pointer loads. The tiles hold the same values (out-of-range rows and columns read as zeros,
+    which only reach outputs that are not stored), so the result has the same bits."""
+    # N tiles fastest, M tiles slowest: M tiles fastest (programs sharing a weight tile side by side)
+    # made the batch-64 decode step's GEMMs 2.74 -> 3.23 ms on the H200 (run 22), one M tile or not.
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    n_total = N
+    col0 = pid_n * 0  # a tensor, not a constexpr: it is rebound inside a runtime branch
+    segment = pid_n * 0  # which weight (TMA picks its descriptor by it)
+    if SEGMENTS > 1:  # find this tile's segment; rebind its operands (segment 0 keeps the arguments)
+        n_total = N + N1 + N2
+        tiles0 = tl.cdiv(N, BLOCK_N)
+        if pid_n >= tiles0:
+            pid_n -= tiles0
+            col0 = N
+            segment = 1
+            N, w_ptr, ws_ptr, bias_ptr, out_ptr, stride_om = N1, w1_ptr, ws1_ptr, bias1_ptr, out1_ptr, N1
+            if SEGMENTS > 2:
+                tiles1 = tl.cdiv(N1, BLOCK_N)
+                if pid_n >= tiles1:
+                    pid_n -= tiles1
+                    col0 += N1
+                    segment = 2
+                    N, w_ptr, ws_ptr, bias_ptr, out_ptr, stride_om = N2, w2_ptr, ws2_ptr, bias2_ptr, out2_ptr, N2
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, 128)
+    m_ok = offs_m < M
+    rows_x = tl.where(m_ok, offs_m, 0).to(tl.int64)
+    rows_w = tl.where(offs_n < N, offs_n, 0).to(tl.int64)  # clamp, not mask: no branch in the K loop
+    n_groups = tl.cdiv(K, 128)
+    if PDL:  # the weight is no other kernel's output: stream it before waiting (one 128-byte line per row)
+        for i in tl.static_range(PREFETCH_GROUPS):  # at most GROUPS_PER_SPLIT (the host clamps it)
+            g = tl.minimum(pid_k * GROUPS_PER_SPLIT + i, n_groups - 1)
+            prefetch_l2(w_ptr + rows_w * stride_wn + g * 128)
+    pdl_enter(PDL)
+
+    # A descriptor is not rebound in a runtime branch like the pointers above: with TMA, one loop per weight.
+    if TMA and SEGMENTS > 1 and segment == 1:
+        acc = _k_loop(x_ptr, xs_ptr, ws_ptr, xq_ptr, xqs_ptr, K, stride_xm, stride_xsm, stride_wn, stride_wsn, pid_n,
+                      pid_m, pid_k, offs_k, m_ok, rows_x, rows_w, n_groups, w_ptr, x_desc, w1_desc,
+                      GROUPS_PER_SPLIT, BLOCK_M, BLOCK_N, QUANTIZE, SWAP, WRITE_Q, UE8M0, TMA)  # fmt: skip
+    elif TMA and SEGMENTS > 2 and segment == 2:
+        acc = _k_loop(x_ptr, xs_ptr, ws_ptr, xq_ptr, xqs_ptr, K, stride_xm, stride_xsm, stride_wn, stride_wsn, pid_n,
+                      pid_m, pid_k, offs_k, m_ok, rows_x, rows_w, n_groups, w_ptr, x_desc, w2_desc,
+                      GROUPS_PER_SPLIT, BLOCK_M, BLOCK_N, QUANTIZE, SWAP, WRITE_Q, UE8M0, TMA)  # fmt: skip
+    else:  # pointer loads (w_ptr is this segment's), or segment 0's descriptor
+        acc = _k_loop(x_ptr, xs_ptr, ws_ptr, xq_ptr, xqs_ptr, K, stride_xm, stride_xsm, stride_wn, stride_wsn, pid_n,
+                      pid_m, pid_k, offs_k, m_ok, rows_x, rows_w, n_groups, w_ptr, x_desc, w_desc,
+                      GROUPS_PER_SPLIT, BLOCK_M, BLOCK_N, QUANTIZE, SWAP, WRITE_Q, UE8M0, TMA)  # fmt: skip
     if SWAP:
         acc = tl.trans(acc)  # (BLOCK_M, BLOCK_N)
     out_mask = m_ok[:, None] & (offs_n[None, :] < N)

@@ -65,8 +65,11 @@ DECODE_MAX_M = 64
 # MAX_BLOCK_M bounds the M tile (a benchmark knob for M > 64, where DECODE_MAX_M sends QuantLinear elsewhere).
 # PREFETCH_GROUPS: under programmatic dependent launch (_triton_support.programmatic_dependent_launch),
 # the weight tiles of its first groups each program asks L2 for before it waits for the kernel before.
+# TMA: load the weight (and a prequantized activation) through tensor descriptors instead of pointers
+# (Hopper and newer; the same bits). Off: not yet measured on the GPU (benchmarks/bench_decode_gemm.py
+# --sweep-grid "TMA=0,1" times it).
 LAUNCH = dict(BLOCK_N=64, WAVES=2, MIN_GROUPS_PER_SPLIT=4, SWAP_BELOW_M=64, num_warps=4, num_stages=3, MAX_BLOCK_M=64,
-              PREFETCH_GROUPS=2)  # fmt: skip
+              PREFETCH_GROUPS=2, TMA=0)  # fmt: skip
 # Up to this M a QuantLinear quantizes the activation in the GEMM's prologue. 0: never. Every N tile
 # re-quantizes its K slice, so on the H200 the prologue was slower than one act-quant launch plus
 # the prequantized GEMM at every decode M measured (1 to 64, Qwen3-8B shapes); it stays available
@@ -89,7 +92,7 @@ def plan(m: int, n: int | Sequence[int], k: int, sms: int, launch: Optional[dict
     return dict(
         BLOCK_M=block_m, BLOCK_N=block_n, GROUPS_PER_SPLIT=per_split, SPLITS=cdiv(groups, per_split),
         SWAP=block_m < launch["SWAP_BELOW_M"], num_warps=launch["num_warps"], num_stages=launch["num_stages"],
-        PREFETCH_GROUPS=min(launch["PREFETCH_GROUPS"], per_split),
+        PREFETCH_GROUPS=min(launch["PREFETCH_GROUPS"], per_split), TMA=bool(launch["TMA"]),
     )
 
 
@@ -129,6 +132,8 @@ def _launch(x: Tensor, x_s: Optional[Tensor], segments: list[tuple], scale_forma
     rest = [a for seg in args[1:] for a in seg]
     rest += [w_q, w_s, bias, out, 0] * (3 - len(args))
     total = sum(widths)
+    cfg["TMA"] = cfg["TMA"] and tma_loads_apply(x if x_s is not None else None, [w for w, *_ in segments])
+    descriptors = _descriptors(x, x_s, [w for w, *_ in segments], cfg) if cfg["TMA"] else [x, w_q, w_q, w_q]
     grid = (sum(cdiv(w, cfg["BLOCK_N"]) for w in widths), splits, cdiv(m, cfg["BLOCK_M"]))
     if partials is not None:
         part = partials
@@ -137,7 +142,7 @@ def _launch(x: Tensor, x_s: Optional[Tensor], segments: list[tuple], scale_forma
     jit.fp8_decode_gemm_kernel[grid](
         x, x_s if x_s is not None else w_s, w_q, w_s, out, part, bias, q.view(torch.uint8), s, m, n, k,
         x.stride(0), x_s.stride(0) if x_s is not None else 0, w_q.stride(0), w_s.stride(0), out.stride(0), *rest,
-        QUANTIZE=quantize, HAS_BIAS=has_bias, WRITE_Q=write_q and quantize,
+        *descriptors, QUANTIZE=quantize, HAS_BIAS=has_bias, WRITE_Q=write_q and quantize,
         UE8M0=scale_format == "ue8m0", SEGMENTS=len(segments), **cfg, **pdl,
     )  # fmt: skip
     if splits > 1 and partials is None:
@@ -145,6 +150,25 @@ def _launch(x: Tensor, x_s: Optional[Tensor], segments: list[tuple], scale_forma
             part, bias, out, m, n, out.stride(0), *rest[2:5], *rest[7:10],
             SPLITS=splits, HAS_BIAS=has_bias, BLOCK=REDUCE_BLOCK, SEGMENTS=len(segments), num_warps=4, **pdl,
         )  # fmt: skip
+
+
+def tma_loads_apply(x_q: Optional[Tensor], weights: Sequence[Tensor]) -> bool:
+    """Whether tensor-descriptor (TMA) loads can read these FP8 operands: a GPU with TMA (compute
+    capability 9.0+), 16-byte aligned bases and row strides, unit stride along K."""
+    operands = [t for t in (x_q, *weights) if t is not None]
+    if not operands[0].is_cuda or torch.cuda.get_device_capability(operands[0].device)[0] < 9:
+        return False
+    return all(t.stride(-1) == 1 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0 for t in operands)
+
+
+def _descriptors(x: Tensor, x_s: Optional[Tensor], weights: list[Tensor], cfg: dict) -> list:
+    """Host tensor descriptors: the activation's (prequantized; else a placeholder) and up to three weights'."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    w_descs = [TensorDescriptor.from_tensor(w, [cfg["BLOCK_N"], 128]) for w in weights]
+    w_descs += [w_descs[0]] * (3 - len(w_descs))
+    x_desc = TensorDescriptor.from_tensor(x, [cfg["BLOCK_M"], 128]) if x_s is not None else w_descs[0]
+    return [x_desc, *w_descs]
 
 
 @torch.library.custom_op("jetrl::fp8_decode_gemm_grouped", mutates_args=(), device_types="cuda")

@@ -247,6 +247,52 @@ def test_grouped_launch_computes_each_weight_and_is_deterministic(m, widths, k, 
 
 @pytest.mark.gpu
 @CUDA
+@pytest.mark.parametrize("m, widths, k", GROUPS + [(m, [n], k) for m, n, k in SHAPES])
+def test_tma_loads_give_the_bits_of_pointer_loads(m, widths, k, monkeypatch):
+    """LAUNCH["TMA"]: weight and activation tiles through tensor descriptors, eagerly and replayed
+    in a CUDA graph on a fresh activation; operands TMA cannot address (rows not 16-byte aligned)
+    keep pointer loads."""
+    _need_kernel()
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA needs sm_90+")
+    g = torch.Generator().manual_seed(m + k)
+    x = (torch.randn(m, k, generator=g) * 3).to("cuda", torch.bfloat16)
+    x_q, x_s = quantize_fp8_groups(x)
+    x_q = x_q.contiguous()
+    weights = [tuple(t.contiguous() for t in quantize_fp8_blocks((torch.randn(n, k, generator=g) * 0.05).cuda()))
+               for n in widths]  # fmt: skip
+
+    def run():
+        if len(weights) > 1:
+            return dg.fp8_decode_gemm_grouped(x_q, x_s, weights, out_dtype=torch.float32)
+        return [dg.fp8_decode_gemm_nt(x_q, x_s, *weights[0], out_dtype=torch.float32),
+                dg.fp8_decode_linear(x, *weights[0], out_dtype=torch.float32)]  # fmt: skip
+
+    want = run()
+    monkeypatch.setitem(dg.LAUNCH, "TMA", 1)
+    assert dg.tma_loads_apply(x_q, [w for w, _ in weights]) == (k % 16 == 0)
+    for got, ref in zip(run(), want):
+        assert torch.equal(got, ref)
+    graph, outs = _captured(run)
+    fresh = (torch.randn(m, k, generator=g) * 3).to("cuda", torch.bfloat16)
+    q, s = quantize_fp8_groups(fresh)
+    x_q.copy_(q), x_s.copy_(s), x.copy_(fresh)
+    graph.replay()
+    monkeypatch.setitem(dg.LAUNCH, "TMA", 0)
+    for got, ref in zip(outs, run()):
+        assert torch.equal(got, ref)
+
+
+def test_tma_loads_need_a_gpu_and_aligned_rows():
+    w = torch.zeros(64, 256, dtype=torch.float8_e4m3fn)
+    assert not dg.tma_loads_apply(None, [w])  # CPU
+    if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9:
+        assert dg.tma_loads_apply(None, [w.cuda()])
+        assert not dg.tma_loads_apply(None, [torch.zeros(64, 300, dtype=torch.float8_e4m3fn, device="cuda")])
+
+
+@pytest.mark.gpu
+@CUDA
 def test_grouped_launch_replays_in_a_cuda_graph():
     _need_kernel()
     x_q, x_s = quantize_fp8_groups(torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16))
