@@ -1,0 +1,127 @@
+"""The decode kernels' logic on CPU, in Triton's interpreter (``.ci/interpret.sh``).
+
+The GPU tests check bits on the H200, in sessions that have one. These run the same ``@triton.jit``
+code and the same host launch code on CPU tensors in every CI run (``TRITON_INTERPRET=1``), so a
+change to a kernel's indexing, masking, tiling or launch plan is caught without a GPU. The
+interpreter computes dots and exponentials in numpy, so the checks are against the references
+(and between two launch variants that must agree bit for bit), not against GPU bits.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from jetrl_trainer.quant.fp8 import quantize_fp8_blocks, quantize_fp8_groups
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" or importlib.util.find_spec("triton") is None,
+    reason="needs Triton's interpreter: TRITON_INTERPRET=1 with Triton installed (.ci/interpret.sh)",
+)
+
+
+@pytest.fixture(autouse=True)
+def _scalar_loop_bounds(monkeypatch):
+    """Triton 3.6's interpreter turns a scalar into a loop bound with ``int()`` of a one-element array,
+    which NumPy 2.4 refuses; the attention kernel's trip count is such a scalar (read from the row's
+    length). Its element is what the compiled kernel uses."""
+    from triton.runtime import interpreter
+
+    patch = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    monkeypatch.setattr(interpreter, "_patch_lang_tensor", patched)
+
+
+def _attention(q, k, v, slots, lengths, scale, *, splits, block_n, flash_order, pads=None, k_scale=None, v_scale=None):
+    """The decode attention's host launch code (the custom op's implementation), on CPU tensors."""
+    from jetrl_trainer.kernels import triton_decode_attention as kernel
+
+    out, _, _ = kernel._decode_attention_op._init_fn(q, k, v, slots, lengths, scale, splits, k_scale, v_scale,
+                                                     block_n, flash_order, "", pads)  # fmt: skip
+    return out
+
+
+def _attention_inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(4, 4, 32, generator=g)
+    k, v = torch.randn(5, 2, 70, 32, generator=g), torch.randn(5, 2, 70, 32, generator=g)
+    slots = torch.tensor([3, 0, 4, 1])
+    lengths = torch.tensor([1, 17, 70, 40])
+    for b in range(4):  # what lies past a row's length must never be read
+        k[slots[b], :, lengths[b] :] = float("nan")
+        v[slots[b], :, lengths[b] :] = float("nan")
+    return q, k, v, slots, lengths
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("block_n, flash_order", [(16, True), (32, False)])
+def test_decode_attention_reads_live_positions_only_with_or_without_pads(splits, block_n, flash_order):
+    from jetrl_trainer.kernels.triton_decode_attention import decode_attention_reference
+
+    q, k, v, slots, lengths = _attention_inputs()
+    ref = decode_attention_reference(q, k.nan_to_num(0.0), v.nan_to_num(0.0), slots, lengths, 0.17)
+    options = dict(splits=splits, block_n=block_n, flash_order=flash_order)
+    plain = _attention(q, k, v, slots, lengths, 0.17, **options)
+    shifted = _attention(q, k, v, slots, lengths, 0.17, pads=torch.tensor([0, 5, block_n - 1, 3 * block_n + 2]),
+                         **options)  # fmt: skip
+    for out in (plain, shifted):
+        assert torch.isfinite(out).all() and torch.allclose(out, ref, atol=1e-5, rtol=0)
+    if splits == 1:  # whole tiles of padding leave every tile boundary where it was: the same bits
+        whole = _attention(q, k, v, slots, lengths, 0.17, pads=torch.tensor([0, block_n, 2 * block_n, 7 * block_n]),
+                           **options)  # fmt: skip
+        assert torch.equal(whole, plain)
+
+
+def test_decode_attention_over_an_fp8_cache_dequantizes_as_the_reference():
+    from jetrl_trainer.kernels.triton_decode_attention import decode_attention_reference
+
+    q, k, v, slots, lengths = _attention_inputs(seed=1)
+    k, v = k.nan_to_num(0.0), v.nan_to_num(0.0)
+    (k8, ks), (v8, vs) = (quantize_fp8_groups(x, 32) for x in (k, v))
+    ks, vs = ks[..., 0], vs[..., 0]
+    out = _attention(q, k8, v8, slots, lengths, 0.17, splits=2, block_n=16, flash_order=False,
+                     pads=torch.tensor([1, 2, 3, 4]), k_scale=ks, v_scale=vs)  # fmt: skip
+    ref = decode_attention_reference(q, k8, v8, slots, lengths, 0.17, k_scale=ks, v_scale=vs)
+    assert torch.allclose(out, ref, atol=1e-5, rtol=0)
+
+
+def _reference_gemm(x_q, x_s, w_q, w_s):
+    k = x_q.shape[1]
+    x = x_q.float() * x_s.repeat_interleave(128, 1)[:, :k]
+    w = w_q.float() * w_s.repeat_interleave(128, 0)[: w_q.shape[0]].repeat_interleave(128, 1)[:, :k]
+    return x.double() @ w.double().t()
+
+
+GEMMS = [(5, [200], 400), (16, [256, 64, 64], 512), (33, [128, 192], 384), (64, [130], 256)]
+
+
+@pytest.mark.parametrize("m, widths, k", GEMMS)
+def test_decode_gemm_tma_loads_give_the_bits_of_pointer_loads(m, widths, k, monkeypatch):
+    """LAUNCH["TMA"]: the same tiles through tensor descriptors (rows and groups past the operand read
+    as zeros); single and grouped launches, swapped (M < 64) and not, ragged M, N and K."""
+    from jetrl_trainer.kernels import triton_decode_gemm as dg
+
+    monkeypatch.setattr(dg, "sm_count", lambda device: 132)  # the H200's: the launch plan of the GPU
+    monkeypatch.setattr(dg, "tma_loads_apply", lambda x_q, weights: True)  # the CPU has no TMA to ask about
+    g = torch.Generator().manual_seed(m)
+    x_q, x_s = (t.contiguous() for t in quantize_fp8_groups(torch.randn(m, k, generator=g) * 3))
+    weights = [tuple(t.contiguous() for t in quantize_fp8_blocks(torch.randn(n, k, generator=g) * 0.05)) for n in widths]
+
+    def run(tma: int) -> list[torch.Tensor]:
+        monkeypatch.setitem(dg.LAUNCH, "TMA", tma)
+        if len(weights) == 1:
+            return [dg._decode_linear_op._init_fn(x_q, x_s, *weights[0], None, "fp32", torch.float32, False)[0]]
+        w_qs, w_ss = [w for w, _ in weights], [s for _, s in weights]
+        return dg._decode_grouped_op._init_fn(x_q, x_s, w_qs, w_ss, [None] * len(weights), torch.float32)
+
+    pointer, tma = run(0), run(1)
+    for (w_q, w_s), a, b in zip(weights, pointer, tma):
+        assert torch.equal(a, b)
+        assert torch.allclose(a.double(), _reference_gemm(x_q, x_s, w_q, w_s), atol=1e-4, rtol=1e-5)
