@@ -1,4 +1,4 @@
-"""The decode kernels' logic on CPU, in Triton's interpreter (``.ci/interpret.sh``).
+"""The decode kernels' logic on CPU, in Triton's interpreter (``.ci/interpret.sh``): attention, GEMM, sampler.
 
 The GPU tests check bits on the H200, in sessions that have one. These run the same ``@triton.jit``
 code and the same host launch code on CPU tensors in every CI run (``TRITON_INTERPRET=1``), so a
@@ -127,3 +127,15 @@ def test_decode_gemm_tma_loads_give_the_bits_of_pointer_loads(m, widths, k, monk
     for (w_q, w_s), a, b in zip(weights, pointer, tma):
         assert torch.equal(a, b)
         assert torch.allclose(a.double(), _reference_gemm(x_q, x_s, w_q, w_s), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("vocab, block", [(1000, 128), (1024, 256), (151_936 // 64, 1024)])
+def test_block_sums_of_the_two_level_sampler(vocab, block):
+    """The sampler's first level: FP64 sums of each block of an FP32 table, a ragged last block included."""
+    from jetrl_trainer.kernels import triton_sampling
+
+    probs = torch.rand(3, vocab, generator=torch.Generator().manual_seed(vocab)).softmax(-1)
+    got = triton_sampling._block_sums_op._init_fn(probs, block)
+    padded = torch.nn.functional.pad(probs, (0, -vocab % block)).double()
+    want = padded.view(3, -1, block).sum(-1)
+    assert got.dtype == torch.float64 and torch.allclose(got, want, rtol=1e-12, atol=0)
