@@ -21,11 +21,12 @@ pytestmark = pytest.mark.skipif(
 )  # fmt: skip
 
 
-def _compile(fn, pointers: dict[str, str], constexprs: dict, floats=(), launch=None) -> str:
+def _compile(fn, pointers: dict[str, str], constexprs: dict, floats=(), launch=None, odd=()) -> str:
     """PTX of ``fn`` for sm_90: pointer / descriptor types by name, FP32 scalars, every other argument i32.
 
-    As a launch would, every pointer and every ``stride_*`` argument is specialized as divisible by 16
-    (the engine's tensors and their strides are), which is what lets Triton vectorize the loads."""
+    As a launch on the engine's shapes would, every pointer and integer argument but those in ``odd``
+    is specialized as divisible by 16 (Triton does so for any multiple of 16), which is what lets it
+    vectorize loads and stores."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -38,7 +39,7 @@ def _compile(fn, pointers: dict[str, str], constexprs: dict, floats=(), launch=N
             signature[name] = pointers[name]
         else:
             signature[name] = "fp32" if name in floats else "i32"
-        if signature[name].startswith("*") or name.startswith("stride_"):
+        if signature[name].startswith("*") or (signature[name] == "i32" and name not in odd):
             attrs[(index,)] = [["tt.divisibility", 16]]
     missing = [n for n in fn.arg_names if n.endswith("_ptr") and n not in pointers]
     assert not missing, f"give a pointer type for {missing}"
@@ -80,5 +81,5 @@ def test_decode_attention_compiles_with_a_pipelined_tile_loop(kv_fp8, quant, fla
     constexprs = dict(GROUPS=4, G_PAD=16, D=128, BLOCK_N=128, PRECISION="tf32", KV_FP8=kv_fp8, FLASH_ORDER=flash_order,
                       DIRECT=True, H=32, QUANT=quant, UE8M0=False, PDL=False, HAS_PADS=True, LOOP_STAGES=2)  # fmt: skip
     ptx = _compile(jit.decode_attention_split_kernel, pointers, constexprs, floats=("scale", "scale_log2"),
-                   launch=dict(num_warps=4))  # fmt: skip
+                   launch=dict(num_warps=4), odd=("tiles",))  # fmt: skip
     assert "cp.async" in ptx  # the next tile's K/V loads are issued ahead (software pipelining)
