@@ -1,4 +1,4 @@
-"""The decode kernels' logic on CPU, in Triton's interpreter (``.ci/interpret.sh``): attention, GEMM, sampler.
+"""The decode kernels' logic on CPU, in Triton's interpreter (``.ci/interpret.sh``): attention, GEMM, RoPE, sampler.
 
 The GPU tests check bits on the H200, in sessions that have one. These run the same ``@triton.jit``
 code and the same host launch code on CPU tensors in every CI run (``TRITON_INTERPRET=1``), so a
@@ -139,3 +139,35 @@ def test_block_sums_of_the_two_level_sampler(vocab, block):
     padded = torch.nn.functional.pad(probs, (0, -vocab % block)).double()
     want = padded.view(3, -1, block).sum(-1)
     assert got.dtype == torch.float64 and torch.allclose(got, want, rtol=1e-12, atol=0)
+
+
+def _rotate(x, cos, sin):
+    """HF's apply_rotary_pos_emb for one position per row: x * cos + rotate_half(x) * sin."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None] + rotated * sin[:, None]
+
+
+@pytest.mark.parametrize("norms", [False, True])
+def test_rope_append_rotates_and_writes_each_rows_slot_and_position_only(norms):
+    """The engine's RoPE + KV append: rotated q returned, rotated k and v written at (slot, position) of
+    each row and nowhere else; with Qwen3's q/k norms applied first (``rmsnorm_reference``)."""
+    from jetrl_trainer.kernels import triton_rope_append as kernel
+    from jetrl_trainer.quant.reference import rmsnorm_reference
+
+    g = torch.Generator().manual_seed(int(norms))
+    q, k, v = torch.randn(3, 4, 32, generator=g), torch.randn(3, 2, 32, generator=g), torch.randn(3, 2, 32, generator=g)
+    angles = torch.rand(3, 16, generator=g) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    k_cache, v_cache = torch.full((5, 2, 10, 32), 7.0), torch.full((5, 2, 10, 32), 7.0)
+    slots, positions = torch.tensor([4, 0, 2]), torch.tensor([0, 9, 3])
+    weights = (torch.rand(32, generator=g) + 0.5, torch.rand(32, generator=g) + 0.5)
+    q_norm, k_norm = weights if norms else (None, None)
+    out = kernel._rope_append_op._init_fn(q, k, v, cos, sin, k_cache, v_cache, slots, positions, None, None,
+                                          q_norm, k_norm, 1e-6, 1e-6)  # fmt: skip
+    if norms:
+        q, k = rmsnorm_reference(q, q_norm, 1e-6), rmsnorm_reference(k, k_norm, 1e-6)
+    assert torch.allclose(out, _rotate(q, cos, sin), atol=1e-5, rtol=0)
+    want_k, want_v = torch.full_like(k_cache, 7.0), torch.full_like(v_cache, 7.0)
+    want_k[slots, :, positions], want_v[slots, :, positions] = _rotate(k, cos, sin), v
+    assert torch.allclose(k_cache, want_k, atol=1e-5, rtol=0) and torch.equal(v_cache, want_v)
