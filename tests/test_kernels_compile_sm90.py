@@ -1,8 +1,9 @@
-"""The decode kernels compile for the H200 (sm_90) on a machine without a GPU (``.ci/interpret.sh``).
+"""Every Triton kernel compiles for the H200 (sm_90) on a machine without a GPU (``.ci/interpret.sh``).
 
 Triton compiles ahead of time for a named target (its wheel ships ``ptxas``), so CI catches a kernel
 that no longer compiles, or a variant that lost the instructions it exists for (TMA's bulk tensor
-copies, Hopper's wgmma), before a GPU session spends device time on it. Run without
+copies, Hopper's wgmma, the quant kernels' saturating FP8 cast and IEEE division that the numerics
+contract relies on), before a GPU session spends device time on it. Run without
 ``TRITON_INTERPRET`` (the interpreter replaces ``@triton.jit`` functions).
 """
 
@@ -83,3 +84,70 @@ def test_decode_attention_compiles_with_a_pipelined_tile_loop(kv_fp8, quant, fla
     ptx = _compile(jit.decode_attention_split_kernel, pointers, constexprs, floats=("scale", "scale_log2"),
                    launch=dict(num_warps=4), odd=("tiles",))  # fmt: skip
     assert "cp.async" in ptx  # the next tile's K/V loads are issued ahead (software pipelining)
+
+
+def _fp8_cast_and_division(ptx: str) -> bool:
+    """The numerics contract's two assumptions about a quant kernel's PTX (docs/numerics.md): the FP32 ->
+    E4M3 cast is the saturating round-to-nearest-even instruction (so no explicit clamp), and the
+    division by the scale is IEEE (a reciprocal multiply differs in the last bit)."""
+    return "cvt.rn.satfinite.e4m3x2.f32" in ptx and "div.rn.f32" in ptx
+
+
+QUANT_KERNELS = {  # kernel: (pointer types, constexprs, launch, FP32 scalars)
+    "act_quant_kernel": (dict(x_ptr="*bf16", q_ptr="*u8", s_ptr="*fp32"),
+                         dict(GROUP=128, BLOCK_M=16, GROUPS_PER_PROG=2, UE8M0=False), dict(num_warps=4), ()),
+    "weight_quant_kernel": (dict(w_ptr="*bf16", q_ptr="*u8", s_ptr="*fp32"), dict(BLOCK=128, UE8M0=True),
+                            dict(num_warps=16), ()),
+    "requant_transpose_kernel": (dict(q_ptr="*u8", s_ptr="*fp32", qt_ptr="*u8", st_ptr="*fp32"),
+                                 dict(GROUP=128, BLOCK_K=32, UE8M0=False, TRANS_F32=False), dict(num_warps=4), ()),
+}  # fmt: skip
+FUSED_KERNELS = {
+    "rmsnorm_quant_kernel": (dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", q_ptr="*u8", s_ptr="*fp32"),
+                             dict(BLOCK_K=4096, LEVELS=11, GROUP=128, UE8M0=False, PDL=False), dict(num_warps=8),
+                             ("k_float", "eps")),
+    "add_rmsnorm_quant_kernel": (dict(r_ptr="*bf16", d_ptr="*fp32", bias_ptr="*bf16", w_ptr="*bf16", h_ptr="*bf16",
+                                      y_ptr="*bf16", q_ptr="*u8", s_ptr="*fp32"),
+                                 dict(PARTS=5, HAS_BIAS=False, BLOCK_K=4096, LEVELS=11, GROUP=128, UE8M0=False,
+                                      PDL=False), dict(num_warps=32), ("k_float", "eps")),
+    "swiglu_quant_kernel": (dict(g_ptr="*bf16", u_ptr="*bf16", h_ptr="*bf16", q_ptr="*u8", s_ptr="*fp32"),
+                            dict(GROUP=128, BLOCK_M=16, GROUPS_PER_PROG=2, UE8M0=False, PDL=False), dict(num_warps=4),
+                            ()),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(QUANT_KERNELS) + list(FUSED_KERNELS))
+def test_quant_kernels_compile_to_the_saturating_cast_and_ieee_division(name):
+    module = "_triton_quant_jit" if name in QUANT_KERNELS else "_triton_fused_jit"
+    jit = importlib.import_module(f"jetrl_trainer.kernels.{module}")
+    pointers, constexprs, launch, floats = {**QUANT_KERNELS, **FUSED_KERNELS}[name]
+    ptx = _compile(getattr(jit, name), pointers, constexprs, floats=floats, launch=launch)
+    assert _fp8_cast_and_division(ptx)
+
+
+def test_the_other_kernels_compile():
+    """The FP8 weight transpose, RMSNorm's backward, the Triton FP8 GEMM, RoPE + append, and the sampler's sums."""
+    quant = importlib.import_module("jetrl_trainer.kernels._triton_quant_jit")
+    fused = importlib.import_module("jetrl_trainer.kernels._triton_fused_jit")
+    gemm = importlib.import_module("jetrl_trainer.kernels._triton_gemm_jit")
+    rope = importlib.import_module("jetrl_trainer.kernels._triton_rope_jit")
+    sampling = importlib.import_module("jetrl_trainer.kernels._triton_sampling_jit")
+    _compile(quant.transpose_u8_kernel, dict(x_ptr="*u8", y_ptr="*u8"), dict(BLOCK_R=64, BLOCK_C=256),
+             launch=dict(num_warps=8))  # fmt: skip
+    _compile(fused.rmsnorm_backward_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", dy_ptr="*bf16", dx_ptr="*bf16",
+                                                 dw_part_ptr="*fp32"),
+             dict(BLOCK_K=4096, ROWS_PER_PROG=4), floats=("k_float", "eps"), launch=dict(num_warps=8))  # fmt: skip
+    ptx = _compile(gemm.fp8_gemm_nt_kernel, dict(a_ptr="*fp8e4nv", b_ptr="*fp8e4nv", c_ptr="*bf16", as_ptr="*fp32",
+                                                 bs_ptr="*fp32"),
+                   dict(B_BLOCK=True, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8),
+                   launch=dict(num_warps=8, num_stages=4))  # fmt: skip
+    assert "wgmma" in ptx
+    _compile(rope.rope_append_kernel, dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", cos_ptr="*bf16",
+                                           sin_ptr="*bf16", q_out_ptr="*bf16", k_cache_ptr="*bf16",
+                                           v_cache_ptr="*bf16", slots_ptr="*i64", positions_ptr="*i64",
+                                           k_scale_ptr="*bf16", v_scale_ptr="*bf16", q_norm_ptr="*bf16",
+                                           k_norm_ptr="*bf16"),
+             dict(H=32, D=128, KV_FP8=False, NORM=True, LEVELS=6, PDL=False), floats=("q_eps", "k_eps"),
+             launch=dict(num_warps=1, enable_fp_fusion=False))  # fmt: skip
+    ptx = _compile(sampling.block_sums_fp64_kernel, dict(p_ptr="*fp32", out_ptr="*fp64"), dict(BLOCK=1024, PDL=False),
+                   launch=dict(num_warps=4))  # fmt: skip
+    assert "add.f64" in ptx or "add.rn.f64" in ptx
