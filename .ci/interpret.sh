@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The decode kernels without a GPU: their @triton.jit code and launch code on CPU tensors in Triton's
-# interpreter (tests/test_kernels_interpreted.py), and compiled ahead of time for the H200's sm_90
-# (tests/test_kernels_compile_sm90.py), so indexing, masking, tiling and compilability are checked on
-# every commit, not only in sessions with a GPU. A step of its own, after the core suite: it installs
+# The Triton kernels without a GPU: the decode kernels' @triton.jit and launch code on CPU tensors in
+# Triton's interpreter (tests/test_kernels_interpreted.py), and every kernel compiled ahead of time for
+# the H200's sm_90 (tests/test_kernels_compile_sm90.py), so indexing, masking, tiling and compilability
+# are checked on every commit, not only in sessions with a GPU. A step of its own, after the core suite: it installs
 # Triton (the version the GPU image runs) into the core suite's environment.
 set -euo pipefail
 cd "$(dirname "$0")/.."
