@@ -17,7 +17,12 @@ import os
 import pytest
 import torch
 
-from jetrl_trainer.quant.fp8 import quantize_fp8_blocks, quantize_fp8_groups
+from jetrl_trainer.quant.fp8 import (
+    dequantize_fp8_blocks,
+    dequantize_fp8_groups,
+    quantize_fp8_blocks,
+    quantize_fp8_groups,
+)
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1" or importlib.util.find_spec("triton") is None,
@@ -95,10 +100,7 @@ def test_decode_attention_over_an_fp8_cache_dequantizes_as_the_reference():
 
 
 def _reference_gemm(x_q, x_s, w_q, w_s):
-    k = x_q.shape[1]
-    x = x_q.float() * x_s.repeat_interleave(128, 1)[:, :k]
-    w = w_q.float() * w_s.repeat_interleave(128, 0)[: w_q.shape[0]].repeat_interleave(128, 1)[:, :k]
-    return x.double() @ w.double().t()
+    return dequantize_fp8_groups(x_q, x_s).double() @ dequantize_fp8_blocks(w_q, w_s).double().t()
 
 
 GEMMS = [(5, [200], 400), (16, [256, 64, 64], 512), (33, [128, 192], 384), (64, [130], 256)]
@@ -133,25 +135,20 @@ def test_decode_gemm_tma_loads_give_the_bits_of_pointer_loads(m, widths, k, monk
 def test_block_sums_of_the_two_level_sampler(vocab, block):
     """The sampler's first level: FP64 sums of each block of an FP32 table, a ragged last block included."""
     from jetrl_trainer.kernels import triton_sampling
+    from jetrl_trainer.rollout.engine.sampling import block_sums
 
     probs = torch.rand(3, vocab, generator=torch.Generator().manual_seed(vocab)).softmax(-1)
     got = triton_sampling._block_sums_op._init_fn(probs, block)
-    padded = torch.nn.functional.pad(probs, (0, -vocab % block)).double()
-    want = padded.view(3, -1, block).sum(-1)
+    want = block_sums(probs, block)  # on CPU tensors: the torch path the engine runs off CUDA
     assert got.dtype == torch.float64 and torch.allclose(got, want, rtol=1e-12, atol=0)
-
-
-def _rotate(x, cos, sin):
-    """HF's apply_rotary_pos_emb for one position per row: x * cos + rotate_half(x) * sin."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos[:, None] + rotated * sin[:, None]
 
 
 @pytest.mark.parametrize("norms", [False, True])
 def test_rope_append_rotates_and_writes_each_rows_slot_and_position_only(norms):
     """The engine's RoPE + KV append: rotated q returned, rotated k and v written at (slot, position) of
     each row and nowhere else; with Qwen3's q/k norms applied first (``rmsnorm_reference``)."""
+    from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
+
     from jetrl_trainer.kernels import triton_rope_append as kernel
     from jetrl_trainer.quant.reference import rmsnorm_reference
 
@@ -167,7 +164,8 @@ def test_rope_append_rotates_and_writes_each_rows_slot_and_position_only(norms):
                                           q_norm, k_norm, 1e-6, 1e-6)  # fmt: skip
     if norms:
         q, k = rmsnorm_reference(q, q_norm, 1e-6), rmsnorm_reference(k, k_norm, 1e-6)
-    assert torch.allclose(out, _rotate(q, cos, sin), atol=1e-5, rtol=0)
+    q_rot, k_rot = apply_rotary_pos_emb(q, k, cos, sin)  # one position per row: cos / sin (B, D) over heads
+    assert torch.allclose(out, q_rot, atol=1e-5, rtol=0)
     want_k, want_v = torch.full_like(k_cache, 7.0), torch.full_like(v_cache, 7.0)
-    want_k[slots, :, positions], want_v[slots, :, positions] = _rotate(k, cos, sin), v
+    want_k[slots, :, positions], want_v[slots, :, positions] = k_rot, v
     assert torch.allclose(k_cache, want_k, atol=1e-5, rtol=0) and torch.equal(v_cache, want_v)
