@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["bench_ms", "bench_graph_ms", "copy_bandwidth_gbs", "environment", "dump", "profile_kernels", "tflops"]
+__all__ = ["bench_ms", "bench_graph_ms", "copy_bandwidth_gbs", "environment", "dump", "kernels_by_kind", "profile_kernels", "tflops"]
 
 
 def environment() -> dict:
@@ -94,6 +94,31 @@ def profile_kernels(step: Callable[[], object], steps: int, warmup: int = 1):
             step()
         torch.cuda.synchronize()
     return prof.key_averages()
+
+
+def kernels_by_kind(step: Callable[[], object], steps: int, kinds: tuple, top: int = 25) -> dict:
+    """GPU ms and launches per call of ``step``, grouped by kind: ``kinds`` is ``((kind, substrings), ...)`` of
+    kernel names, first match wins, the rest is "other"; with the ``top`` kernels by time."""
+    totals: dict[str, list[float]] = {}
+    rows = []
+    for event in profile_kernels(step, steps):
+        us = event.self_device_time_total
+        if us <= 0 or event.count == 0:
+            continue
+        name = event.key
+        kind = next((k for k, subs in kinds if any(s in name for s in subs)), "other")
+        slot = totals.setdefault(kind, [0.0, 0])
+        slot[0] += us / steps / 1e3
+        slot[1] += event.count / steps
+        rows.append((us / steps / 1e3, event.count / steps, name[:80]))
+    rows.sort(reverse=True)
+    return dict(
+        gpu_ms=round(sum(v[0] for v in totals.values()), 3),
+        launches=round(sum(v[1] for v in totals.values())),
+        by_kind={k: dict(ms=round(v[0], 3), launches=round(v[1]))
+                 for k, v in sorted(totals.items(), key=lambda kv: -kv[1][0])},
+        top=[dict(ms=round(ms, 3), launches=round(n), name=name) for ms, n, name in rows[:top]],
+    )
 
 
 def copy_bandwidth_gbs(n_bytes: int = 2 << 30) -> float:

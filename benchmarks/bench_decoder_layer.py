@@ -13,11 +13,12 @@ Target (issue 6): ≥ 1.3× BF16. Also reports the FP8 weight-cache memory again
 
 from __future__ import annotations
 
+import argparse
 import copy
 
 import torch
 
-from _common import bench_graph_ms, bench_ms, dump, environment
+from _common import bench_graph_ms, bench_ms, dump, environment, kernels_by_kind
 from jetrl_trainer.quant import QuantLinear, invalidate_weight_caches, quantize_model
 from jetrl_trainer.quant.fused import FusedRMSNorm
 
@@ -97,5 +98,32 @@ def run() -> dict:
     return result
 
 
+LAYER_KERNEL_KINDS = (  # (kind, substrings of a kernel name), first match wins
+    ("fp8_quant", ("act_quant", "weight_quant", "quant_kernel")),
+    ("fp8_transpose", ("requant_transpose", "transpose_u8")),
+    ("fused_norm_swiglu", ("rmsnorm_quant", "swiglu_quant", "rmsnorm_backward")),
+    ("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")),
+    ("gemm", ("gemm", "sm90", "cutlass", "nvjet", "cublas", "xmma", "splitK")),
+    ("reduce", ("reduce",)),
+    ("elementwise", ("elementwise", "vectorized", "unrolled", "copy", "fill", "index", "cat", "where")),
+)
+
+
+def run_profile(steps: int = 5) -> dict:
+    """GPU time per layer step by kernel kind, BF16 against FP8 as shipped (torch.profiler, eager)."""
+    torch.manual_seed(0)
+    config, layer, rotary = _layer()
+    hidden = torch.randn(BATCH, SEQ, config.hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    pos_emb = rotary(hidden, torch.arange(SEQ, device="cuda")[None].expand(BATCH, -1))
+    grad = torch.randn_like(hidden)
+    variants = {"bf16": layer, "fp8": quantize_model(copy.deepcopy(layer))}
+    return {"environment": environment(), "tokens": BATCH * SEQ,
+            "profile": {name: kernels_by_kind(_step(m, hidden, pos_emb, grad), steps, LAYER_KERNEL_KINDS, top=40)
+                        for name, m in variants.items()}}
+
+
 if __name__ == "__main__":
-    dump(run())
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--profile", action="store_true", help="GPU time by kernel kind (torch.profiler) instead of timings")
+    args = ap.parse_args()
+    dump(run_profile() if args.profile else run())

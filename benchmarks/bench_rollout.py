@@ -22,7 +22,7 @@ import contextlib
 import time
 
 import torch
-from _common import copy_bandwidth_gbs, dump, environment, profile_kernels
+from _common import copy_bandwidth_gbs, dump, environment, kernels_by_kind
 from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
 from jetrl_trainer.kernels import available_gemm_backends, use_gemm_backend
@@ -264,25 +264,7 @@ _KERNEL_KINDS = (  # (kind, substrings of a kernel name), first match wins
 
 def kernel_breakdown(step, steps: int = 3) -> dict:
     """GPU time and launches per decode step by kernel kind (torch.profiler over eager steps)."""
-    kinds: dict[str, list[float]] = {}
-    top = []
-    for event in profile_kernels(step, steps):
-        us = event.self_device_time_total
-        if us <= 0 or event.count == 0:
-            continue
-        name = event.key
-        kind = next((k for k, subs in _KERNEL_KINDS if any(s in name for s in subs)), "other")
-        slot = kinds.setdefault(kind, [0.0, 0])
-        slot[0] += us / steps / 1e3
-        slot[1] += event.count / steps
-        top.append((us / steps / 1e3, event.count / steps, name[:80]))
-    top.sort(reverse=True)
-    return dict(
-        gpu_ms=round(sum(v[0] for v in kinds.values()), 3),
-        launches=round(sum(v[1] for v in kinds.values())),
-        by_kind={k: dict(ms=round(v[0], 3), launches=round(v[1])) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1][0])},
-        top=[dict(ms=round(ms, 3), launches=round(n), name=name) for ms, n, name in top[:25]],
-    )
+    return kernels_by_kind(step, steps, _KERNEL_KINDS)
 
 
 PROFILED = ("bf16", "bf16_pdl", "fp8", "fp8_pdl", "fp8_qkv64", "fp8_unfused", "fp8_ungrouped", "fp8_general")

@@ -56,19 +56,42 @@ def _rmsnorm_quant_row(x_raw, row, cols, mask, K, k_float, eps, w_ptr, y_ptr, q_
 
 
 @triton.jit
+def rms_divisor_rows(x, k_float, eps, LEVELS: tl.constexpr):
+    """``rms_divisor`` of each row of a ``[ROWS, BLOCK_K]`` FP32 tile: per row the same adjacent-pair
+    tree, so a row's bits do not depend on the rows tiled with it."""
+    total = x * x
+    for _ in tl.static_range(LEVELS):
+        total = tl.sum(tl.reshape(total, (total.shape[0], total.shape[1] // 2, 2)), axis=2)
+    total = tl.sum(total, axis=1)  # the last pair of each row
+    return tl.math.sqrt_rn(tl.math.div_rn(total, k_float) + eps)
+
+
+@triton.jit
 def rmsnorm_quant_kernel(
-    x_ptr, w_ptr, y_ptr, q_ptr, s_ptr, K, k_float, eps, stride_xm, stride_ym, stride_qm, stride_sm,
-    BLOCK_K: tl.constexpr, LEVELS: tl.constexpr, GROUP: tl.constexpr, UE8M0: tl.constexpr,
-    PDL: tl.constexpr = False,
-):
-    """One row per program: y = w * (x / sqrt(mean(x²) + eps)).to(dtype); q, s = quant(y)."""
+    x_ptr, w_ptr, y_ptr, q_ptr, s_ptr, M, K, k_float, eps, stride_xm, stride_ym, stride_qm, stride_sm,
+    BLOCK_K: tl.constexpr, ROWS: tl.constexpr, LEVELS: tl.constexpr, GROUP: tl.constexpr, UE8M0: tl.constexpr,
+    QUANT: tl.constexpr, PDL: tl.constexpr = False,
+):  # fmt: skip
+    """``ROWS`` rows per program (several for narrow rows such as Qwen3's per-head q/k norms, so that a
+    program has work): y = w * (x / sqrt(mean(x²) + eps)).to(dtype); with ``QUANT``, q, s = quant(y)."""
     pdl_enter(PDL)
-    row = tl.program_id(0).to(tl.int64)
+    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     cols = tl.arange(0, BLOCK_K)
-    mask = cols < K
-    x_raw = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0)
-    _rmsnorm_quant_row(x_raw, row, cols, mask, K, k_float, eps, w_ptr, y_ptr, q_ptr, s_ptr, stride_ym, stride_qm,
-                       stride_sm, BLOCK_K, LEVELS, GROUP, UE8M0)  # fmt: skip
+    mask = (rows[:, None] < M) & (cols[None, :] < K)
+    x_raw = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
+    x = x_raw.to(tl.float32)
+    h = tl.math.div_rn(x, rms_divisor_rows(x, k_float, eps, LEVELS)[:, None]).to(x_raw.dtype)
+    w = tl.load(w_ptr + cols, mask=cols < K, other=0.0)
+    y = (w.to(tl.float32)[None, :] * h.to(tl.float32)).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], y, mask=mask)
+    if QUANT:
+        yg = tl.reshape(y.to(tl.float32), (ROWS, BLOCK_K // GROUP, GROUP))
+        scale = _scale_from_amax(_amax(yg, 2), UE8M0)  # (ROWS, BLOCK_K // GROUP)
+        q = tl.reshape(_fp8_bits(yg, scale[:, :, None]), (ROWS, BLOCK_K))
+        tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q, mask=mask)
+        groups = tl.arange(0, BLOCK_K // GROUP)
+        s_mask = (rows[:, None] < M) & (groups[None, :] < tl.cdiv(K, GROUP))
+        tl.store(s_ptr + rows[:, None] * stride_sm + groups[None, :], scale, mask=s_mask)
 
 
 @triton.jit
@@ -133,26 +156,27 @@ def swiglu_quant_kernel(
 @triton.jit
 def rmsnorm_backward_kernel(
     x_ptr, w_ptr, dy_ptr, dx_ptr, dw_part_ptr, M, K, k_float, eps, stride_xm, stride_dym, stride_dxm,
-    BLOCK_K: tl.constexpr, ROWS_PER_PROG: tl.constexpr,
+    tiles_per_prog, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
 ):
     """RMSNorm backward for y = w * (x * r).to(dtype), r = (mean(x²) + eps)^-1/2, in one pass:
-    dx = r * (dh - h * mean(dh * h)) with dh = dy * w, h = x * r; per-program partial sums of
-    dw = sum_rows(dy * h.to(dtype)) go to dw_part[pid] (summed by the host in a fixed order)."""
+    dx = r * (dh - h * mean(dh * h)) with dh = dy * w, h = x * r; ``tiles_per_prog`` tiles of ``ROWS``
+    rows per program (several rows per tile for narrow rows, so that each load has work); per-program
+    partial sums of dw = sum_rows(dy * h.to(dtype)) go to dw_part[pid] (summed by the host in a fixed order)."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_K)
-    mask = cols < K
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    dw = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    for i in range(ROWS_PER_PROG):
-        row = (pid * ROWS_PER_PROG + i).to(tl.int64)
-        if row < M:
-            x_raw = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0)
-            x = x_raw.to(tl.float32)
-            dy = tl.load(dy_ptr + row * stride_dym + cols, mask=mask, other=0.0).to(tl.float32)
-            r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / k_float + eps)
-            h = x * r
-            dh = dy * w
-            c = tl.sum(dh * h, axis=0) / k_float
-            tl.store(dx_ptr + row * stride_dxm + cols, (r * (dh - h * c)).to(dx_ptr.dtype.element_ty), mask=mask)
-            dw += dy * h.to(x_raw.dtype).to(tl.float32)
-    tl.store(dw_part_ptr + pid * BLOCK_K + cols, dw, mask=mask)
+    w = tl.load(w_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+    dw = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
+    for t in range(tiles_per_prog):
+        rows = ((pid * tiles_per_prog + t) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+        mask = (rows[:, None] < M) & (cols[None, :] < K)
+        x_raw = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
+        x = x_raw.to(tl.float32)
+        dy = tl.load(dy_ptr + rows[:, None] * stride_dym + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        r = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / k_float + eps)
+        h = x * r[:, None]
+        dh = dy * w[None, :]
+        c = tl.sum(dh * h, axis=1) / k_float
+        dx = r[:, None] * (dh - h * c[:, None])
+        tl.store(dx_ptr + rows[:, None] * stride_dxm + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        dw += dy * h.to(x_raw.dtype).to(tl.float32)
+    tl.store(dw_part_ptr + pid * BLOCK_K + cols, tl.sum(dw, axis=0), mask=cols < K)

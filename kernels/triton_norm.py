@@ -24,6 +24,7 @@ __all__ = ["add_rmsnorm_quant_fp8", "rmsnorm_backward", "rmsnorm_quant_fp8"]
 _FP8 = torch.float8_e4m3fn
 _GROUP = 128
 _MAX_K = 65536
+_TILE_ELEMENTS = 4096  # elements per program tile of the narrow-row norm kernels (rows of 128: 32 rows)
 # Warps of the fused residual add + RMSNorm launch; None: by row width, up to 32 for rows of 4096.
 # At decode it runs one program per row (16-64 programs), so wide programs keep more loads in flight:
 # on the H200 the o projection's epilogue at M = 64 took 13.4 us with 32 warps against 15.0 with 8
@@ -31,41 +32,51 @@ _MAX_K = 65536
 ADD_NORM_WARPS: Optional[int] = None
 
 
+def _rows_per_tile(block_k: int) -> int:
+    """Rows per program tile: one for rows of 4096 and more; several for narrow rows (Qwen3's per-head
+    q/k norms have rows of 128), so that a program moves ~4096 elements, not one short row."""
+    return max(1, _TILE_ELEMENTS // block_k)
+
+
 @torch.library.custom_op("jetrl::rmsnorm_quant_fp8", mutates_args=(), device_types="cuda")
 def _rmsnorm_quant_op(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, scale_format: str
+    x: torch.Tensor, weight: torch.Tensor, eps: float, scale_format: str, quantize: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     jit = load_jit("_triton_fused_jit")
     m, k = x.shape
     y = torch.empty((m, k), dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
-    q = torch.empty((m, k), dtype=_FP8, device=x.device)
-    s = torch.empty((m, cdiv(k, _GROUP)), dtype=torch.float32, device=x.device)
+    q = torch.empty((m if quantize else 0, k), dtype=_FP8, device=x.device)
+    s = torch.empty((m if quantize else 0, cdiv(k, _GROUP)), dtype=torch.float32, device=x.device)
     if m == 0 or k == 0:
         return y, q, s
     block_k = max(_GROUP, 1 << (k - 1).bit_length())
-    jit.rmsnorm_quant_kernel[(m,)](
-        x, weight, y, q.view(torch.uint8), s, k, float(k), eps, x.stride(0), y.stride(0), q.stride(0), s.stride(0),
-        BLOCK_K=block_k, LEVELS=block_k.bit_length() - 2, GROUP=_GROUP, UE8M0=scale_format == "ue8m0",
-        num_warps=min(16, max(4, block_k // 512)), **pdl_launch(x.device),
+    rows = _rows_per_tile(block_k)
+    jit.rmsnorm_quant_kernel[(cdiv(m, rows),)](
+        x, weight, y, q.view(torch.uint8), s, m, k, float(k), eps, x.stride(0), y.stride(0), q.stride(0), s.stride(0),
+        BLOCK_K=block_k, ROWS=rows, LEVELS=block_k.bit_length() - 2, GROUP=_GROUP, UE8M0=scale_format == "ue8m0",
+        QUANT=quantize, num_warps=min(16, max(4, rows * block_k // 512)), **pdl_launch(x.device),
         enable_fp_fusion=False,  # x*x + y*y must round twice, as in the reference
     )
     return y, q, s
 
 
 @_rmsnorm_quant_op.register_fake
-def _(x, weight, eps, scale_format):
+def _(x, weight, eps, scale_format, quantize):
     m, k = x.shape
     return (
         x.new_empty((m, k), dtype=torch.promote_types(x.dtype, weight.dtype)),
-        x.new_empty((m, k), dtype=_FP8),
-        x.new_empty((m, cdiv(k, _GROUP)), dtype=torch.float32),
+        x.new_empty((m if quantize else 0, k), dtype=_FP8),
+        x.new_empty((m if quantize else 0, cdiv(k, _GROUP)), dtype=torch.float32),
     )
 
 
 def rmsnorm_quant_fp8(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, *, scale_format: str = "fp32"
+    x: torch.Tensor, weight: torch.Tensor, eps: float, *, scale_format: str = "fp32", quantize: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``y = rmsnorm_reference(x, weight, eps)`` and ``(q, s) = quantize_fp8_groups(y)``, in one pass."""
+    """``y = rmsnorm_reference(x, weight, eps)`` and ``(q, s) = quantize_fp8_groups(y)``, in one pass.
+
+    ``quantize=False`` writes ``y`` only (``q`` and ``s`` come back with 0 rows): a norm whose output
+    feeds no FP8 GEMM, such as Qwen3's q/k norms in training."""
     check_cuda_2d(x, "x")
     check_scale_format(scale_format)
     if weight.dim() != 1 or weight.shape[0] != x.shape[1] or weight.device != x.device:
@@ -73,7 +84,7 @@ def rmsnorm_quant_fp8(
     if x.shape[1] > _MAX_K:
         raise ValueError(f"rmsnorm_quant_fp8 keeps a row in registers: K must be ≤ {_MAX_K}; got {x.shape[1]}.")
     x = x if x.stride(-1) == 1 else x.contiguous()
-    return call_op(_rmsnorm_quant_op, x, weight.contiguous(), float(eps), scale_format)
+    return call_op(_rmsnorm_quant_op, x, weight.contiguous(), float(eps), scale_format, bool(quantize))
 
 
 # --------------------------------------------------------------------------------------------
@@ -163,13 +174,16 @@ def _rmsnorm_backward_op(
     if m == 0 or k == 0:
         return dx, torch.zeros_like(weight)
     block_k = max(16, 1 << (k - 1).bit_length())
-    programs = min(m, 4 * torch.cuda.get_device_properties(x.device).multi_processor_count)
-    rows = cdiv(m, programs)
-    programs = cdiv(m, rows)
+    rows = _rows_per_tile(block_k)
+    tiles = cdiv(m, rows)
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 2  # CPU: interpreter
+    programs = min(tiles, 4 * sms)
+    per_prog = cdiv(tiles, programs)
+    programs = cdiv(tiles, per_prog)
     dw_part = torch.empty((programs, block_k), dtype=torch.float32, device=x.device)
     jit.rmsnorm_backward_kernel[(programs,)](
-        x, weight, dy, dx, dw_part, m, k, float(k), eps, x.stride(0), dy.stride(0), dx.stride(0),
-        BLOCK_K=block_k, ROWS_PER_PROG=rows, num_warps=min(16, max(4, block_k // 512)),
+        x, weight, dy, dx, dw_part, m, k, float(k), eps, x.stride(0), dy.stride(0), dx.stride(0), per_prog,
+        BLOCK_K=block_k, ROWS=rows, num_warps=min(16, max(4, rows * block_k // 512)),
     )
     return dx, dw_part[:, :k].sum(0).to(weight.dtype)
 

@@ -8,6 +8,8 @@ The kernel runs when the tensor is on CUDA, ``kernels/triton_quant.py`` imported
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Callable
 from types import ModuleType
 from typing import Optional
@@ -21,6 +23,7 @@ from jetrl_trainer.quant.fp8 import dequantize_fp8_groups, quantize_fp8_blocks, 
 __all__ = ["act_quant_fp8", "decode_gemm_module", "decode_linear_fp8", "requant_transpose_fp8", "transpose_fp8_blocks", "weight_quant_fp8"]
 
 Pair = tuple[torch.Tensor, torch.Tensor]
+_requant_memo = threading.local()  # per thread: the autograd engine runs a device's backward on one thread
 
 
 def _kernel(name: str, x: torch.Tensor) -> Optional[Callable[..., Pair]]:
@@ -93,11 +96,41 @@ def weight_quant_fp8(w: torch.Tensor, scale_format: str = "fp32", *, out: Option
 
 def requant_transpose_fp8(q: torch.Tensor, s: torch.Tensor, scale_format: str = "fp32") -> Pair:
     """The WGrad operand: ``(q [M, K], s [M, ceil(K/128)])`` -> ``(qt [K, M], st [K, ceil(M/128)])``,
-    i.e. the dequantized tensor transposed and re-quantized in 1×128 groups along M."""
+    i.e. the dequantized tensor transposed and re-quantized in 1×128 groups along M.
+
+    Layers that share an input (q/k/v, gate/up) save the same ``(q, s)`` pair, handed over by the fused
+    norm, so the result is kept while ``q`` lives and served again: one launch instead of three (or
+    two) per layer in backward. Keyed by storage, layout and version, as the hand-off is."""
+    memo = _requant_table()
+    key = (q.data_ptr(), s.data_ptr(), scale_format)
+    entry = memo.get(key) if memo is not None else None
+    if entry is not None:
+        ref, version, layout, pair = entry
+        if ref() is not None and q._version == version and layout == _layout(q, s):
+            return pair
     fast = _kernel("requant_transpose_fp8", q)
     if fast is not None:
-        return fast(q, s, scale_format=scale_format)
-    return quantize_fp8_groups(dequantize_fp8_groups(q, s).t().contiguous(), 128, scale_format=scale_format)
+        pair = fast(q, s, scale_format=scale_format)
+    else:
+        pair = quantize_fp8_groups(dequantize_fp8_groups(q, s).t().contiguous(), 128, scale_format=scale_format)
+    if memo is not None:
+        # The entry dies with q (autograd frees it after the last layer that saved it), so q's storage is
+        # never reused while the entry exists.
+        ref = weakref.ref(q, lambda _r, key=key, memo=memo: memo.pop(key, None))
+        memo[key] = (ref, q._version, _layout(q, s), pair)
+    return pair
+
+
+def _requant_table() -> Optional[dict]:
+    if torch.compiler.is_compiling():  # a side table of data pointers: not traceable, and not needed in a graph
+        return None
+    if not hasattr(_requant_memo, "table"):
+        _requant_memo.table = {}
+    return _requant_memo.table
+
+
+def _layout(q: torch.Tensor, s: torch.Tensor) -> tuple:
+    return q.shape, q.stride(), q.dtype, s.shape, s.stride(), s._version
 
 
 def transpose_fp8_blocks(q: torch.Tensor, s_inv: torch.Tensor, *, out: Optional[Pair] = None) -> Pair:

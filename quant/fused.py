@@ -88,7 +88,9 @@ def _fp8_format(consumer: Optional[nn.Module]) -> Optional[str]:
 class _RMSNormQuantFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2d, weight, eps, scale_format):
-        y, q, s = _gpu("triton_norm").rmsnorm_quant_fp8(x2d, weight, eps, scale_format=scale_format)
+        # scale_format None: no FP8 consumer (Qwen3's q/k norms, a BF16 phase), so only y is written
+        y, q, s = _gpu("triton_norm").rmsnorm_quant_fp8(x2d, weight, eps, scale_format=scale_format or "fp32",
+                                                        quantize=scale_format is not None)  # fmt: skip
         ctx.save_for_backward(x2d, weight)
         ctx.eps = eps
         ctx.mark_non_differentiable(q, s)
@@ -121,7 +123,7 @@ class FusedRMSNorm(nn.Module):
             return rmsnorm_reference(x, self.weight, self.variance_epsilon)
         fmt = _fp8_format(self._consumer())
         x2d = x.reshape(-1, x.shape[-1])
-        y, q, s = _RMSNormQuantFunction.apply(x2d, self.weight, self.variance_epsilon, fmt or "fp32")
+        y, q, s = _RMSNormQuantFunction.apply(x2d, self.weight, self.variance_epsilon, fmt)
         y = y.view(*x.shape[:-1], y.shape[-1])
         if fmt is not None:
             offer_prequantized(y, q, s, fmt)

@@ -103,7 +103,8 @@ QUANT_KERNELS = {  # kernel: (pointer types, constexprs, launch, FP32 scalars)
 }  # fmt: skip
 FUSED_KERNELS = {
     "rmsnorm_quant_kernel": (dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", q_ptr="*u8", s_ptr="*fp32"),
-                             dict(BLOCK_K=4096, LEVELS=11, GROUP=128, UE8M0=False, PDL=False), dict(num_warps=8),
+                             dict(BLOCK_K=4096, ROWS=1, LEVELS=11, GROUP=128, UE8M0=False, QUANT=True, PDL=False),
+                             dict(num_warps=8),
                              ("k_float", "eps")),
     "add_rmsnorm_quant_kernel": (dict(r_ptr="*bf16", d_ptr="*fp32", bias_ptr="*bf16", w_ptr="*bf16", h_ptr="*bf16",
                                       y_ptr="*bf16", q_ptr="*u8", s_ptr="*fp32"),
@@ -135,7 +136,7 @@ def test_the_other_kernels_compile():
              launch=dict(num_warps=8))  # fmt: skip
     _compile(fused.rmsnorm_backward_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", dy_ptr="*bf16", dx_ptr="*bf16",
                                                  dw_part_ptr="*fp32"),
-             dict(BLOCK_K=4096, ROWS_PER_PROG=4), floats=("k_float", "eps"), launch=dict(num_warps=8))  # fmt: skip
+             dict(BLOCK_K=128, ROWS=32), floats=("k_float", "eps"), launch=dict(num_warps=8))  # fmt: skip
     ptx = _compile(gemm.fp8_gemm_nt_kernel, dict(a_ptr="*fp8e4nv", b_ptr="*fp8e4nv", c_ptr="*bf16", as_ptr="*fp32",
                                                  bs_ptr="*fp32"),
                    dict(B_BLOCK=True, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8),

@@ -171,8 +171,11 @@ def test_custom_op_fake_shapes_on_meta():
     assert ws.shape == (3, 5)
     wt, wst = torch.ops.jetrl.transpose_fp8_blocks(wq, ws)
     assert wt.shape == (520, 300) and wst.shape == (5, 3)
-    y, q2, s2 = torch.ops.jetrl.rmsnorm_quant_fp8(x, torch.empty(520, device="meta", dtype=torch.float32), 1e-6, "fp32")
+    y, q2, s2 = torch.ops.jetrl.rmsnorm_quant_fp8(x, torch.empty(520, device="meta", dtype=torch.float32), 1e-6, "fp32",
+                                                  True)  # fmt: skip
     assert y.dtype == torch.float32 and s2.shape == (300, 5)
+    _, q3, s3 = torch.ops.jetrl.rmsnorm_quant_fp8(x, torch.empty(520, device="meta"), 1e-6, "fp32", False)
+    assert q3.shape == (0, 520) and s3.shape == (0, 5)  # no consumer GEMM: y only
     out = torch.ops.jetrl.triton_fp8_gemm_nt(q, s, wq[:, :520], torch.empty(300, 5, device="meta"), False, torch.bfloat16)
     assert out.shape == (300, 300) and out.dtype == torch.bfloat16
 

@@ -174,7 +174,7 @@ def test_transpose_fp8_blocks_exact(shape):
 
 @pytest.mark.parametrize("scale_format", FORMATS)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", ((1, 128), (3, 100), (64, 1000), (257, 4096), (16, 5120)))
+@pytest.mark.parametrize("shape", ((1, 128), (3, 100), (64, 1000), (257, 4096), (16, 5120), (1037, 128), (70, 256)))
 def test_rmsnorm_quant_bit_exact(shape, dtype, scale_format):
     from jetrl_trainer.kernels import rmsnorm_quant_fp8
 
@@ -187,6 +187,9 @@ def test_rmsnorm_quant_bit_exact(shape, dtype, scale_format):
     assert_bits_equal(y, ry, "y")
     assert_bits_equal(s, rs, "scale")
     assert_bits_equal(q, rq, "q")
+    y_only, q_none, s_none = rmsnorm_quant_fp8(x, w, 1e-6, scale_format=scale_format, quantize=False)
+    assert_bits_equal(y_only, ry, "y without quantization")
+    assert q_none.shape[0] == 0 and s_none.shape[0] == 0
 
 
 def test_rmsnorm_reference_close_to_transformers():
@@ -278,7 +281,8 @@ def test_custom_ops_pass_opcheck():
         (torch.ops.jetrl.transpose_fp8_blocks.default, (wq, ws)),
         (torch.ops.jetrl.weight_quant_fp8_into.default, (x, torch.empty_like(wq), torch.empty_like(ws), 128, "fp32")),
         (torch.ops.jetrl.transpose_fp8_blocks_into.default, (wq, ws, torch.empty_like(wq.t()), torch.empty_like(ws.t()))),
-        (torch.ops.jetrl.rmsnorm_quant_fp8.default, (x, torch.ones(256, device="cuda", dtype=torch.bfloat16), 1e-6, "fp32")),
+        (torch.ops.jetrl.rmsnorm_quant_fp8.default, (x, torch.ones_like(x[0]), 1e-6, "fp32", True)),
+        (torch.ops.jetrl.rmsnorm_quant_fp8.default, (x, torch.ones_like(x[0]), 1e-6, "fp32", False)),  # y only
         (torch.ops.jetrl.swiglu_quant_fp8.default, (x, x, "fp32")),
     ]
     for op, args in cases:

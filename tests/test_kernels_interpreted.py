@@ -1,4 +1,4 @@
-"""The decode kernels' logic on CPU, in Triton's interpreter (``.ci/interpret.sh``): attention, GEMM, RoPE, sampler.
+"""Kernels' logic on CPU, in Triton's interpreter (``.ci/interpret.sh``): attention, GEMM, RoPE, sampler, RMSNorm.
 
 The GPU tests check bits on the H200, in sessions that have one. These run the same ``@triton.jit``
 code and the same host launch code on CPU tensors in every CI run (``TRITON_INTERPRET=1``), so a
@@ -6,7 +6,8 @@ change to a kernel's indexing, masking, tiling or launch plan is caught without 
 interpreter computes dots and exponentials in numpy, so the checks are against the references
 (and between two launch variants that must agree bit for bit), not against GPU bits. The FP8
 quantization kernels are not here: Triton 3.6's interpreter does not round float -> FP8 to nearest
-even (84.0 became 88, not 80), so their bits can only be checked on a GPU.
+even (84.0 became 88, not 80), so their bits can only be checked on a GPU (the fused RMSNorm's FP8
+output too; its normalized output and scales are checked here).
 """
 
 from __future__ import annotations
@@ -169,3 +170,54 @@ def test_rope_append_rotates_and_writes_each_rows_slot_and_position_only(norms):
     want_k, want_v = torch.full_like(k_cache, 7.0), torch.full_like(v_cache, 7.0)
     want_k[slots, :, positions], want_v[slots, :, positions] = k_rot, v
     assert torch.allclose(k_cache, want_k, atol=1e-5, rtol=0) and torch.equal(v_cache, want_v)
+
+
+def _rmsnorm_one_row_per_program(x, w, eps):
+    """The fused RMSNorm kernel launched with one row per program: the layout before narrow rows were tiled."""
+    from jetrl_trainer.kernels._triton_fused_jit import rmsnorm_quant_kernel
+
+    m, k = x.shape
+    block_k = max(128, 1 << (k - 1).bit_length())
+    y, q, s = torch.empty_like(x), torch.empty(m, k, dtype=torch.uint8), torch.empty(m, -(-k // 128))
+    rmsnorm_quant_kernel[(m,)](x, w, y, q, s, m, k, float(k), eps, x.stride(0), y.stride(0), q.stride(0), s.stride(0),
+                               BLOCK_K=block_k, ROWS=1, LEVELS=block_k.bit_length() - 2, GROUP=128, UE8M0=False,
+                               QUANT=True, PDL=False)  # fmt: skip
+    return y, s
+
+
+@pytest.mark.parametrize("m, k", [(70, 128), (5, 4096), (33, 100), (9, 1024)])
+@pytest.mark.parametrize("quantize", [True, False])
+def test_rmsnorm_quant_rows_per_tile_normalize_each_row_on_its_own(m, k, quantize):
+    """Narrow rows go several to a program tile (Qwen3's per-head q/k norms: 32 rows of 128): each row's
+    bits are those of the same row normalized alone (its own pair tree), a ragged last tile is masked,
+    and the values are rmsnorm_reference's (the GPU tests check its bits; numpy's float32 steps here
+    differ from torch's CPU ones in a last bit). Without ``quantize`` nothing but y is written."""
+    from jetrl_trainer.kernels import triton_norm
+    from jetrl_trainer.quant.reference import rmsnorm_reference
+
+    g = torch.Generator().manual_seed(m * k)
+    x, w = torch.randn(m, k, generator=g) * 3, torch.rand(k, generator=g) + 0.5
+    y, _, s = triton_norm._rmsnorm_quant_op._init_fn(x, w, 1e-6, "fp32", quantize)
+    alone_y, alone_s = _rmsnorm_one_row_per_program(x, w, 1e-6)
+    assert torch.equal(y, alone_y)
+    assert torch.allclose(y, rmsnorm_reference(x, w, 1e-6), rtol=1e-6, atol=0)
+    if quantize:
+        assert torch.equal(s, alone_s)
+    else:
+        assert s.shape[0] == 0
+
+
+@pytest.mark.parametrize("m, k", [(300, 128), (7, 4096), (33, 100), (1, 128)])
+def test_rmsnorm_backward_tiles_cover_every_row_once(m, k):
+    """The backward's tiles (several narrow rows each, several tiles per program, ragged ends): dx and
+    the per-program dw sums equal FP64 autograd through rmsnorm_reference to FP32 accuracy."""
+    from jetrl_trainer.kernels import triton_norm
+    from jetrl_trainer.quant.reference import rmsnorm_reference
+
+    g = torch.Generator().manual_seed(m + k)
+    x, w, dy = torch.randn(m, k, generator=g), torch.rand(k, generator=g) + 0.5, torch.randn(m, k, generator=g)
+    dx, dw = triton_norm._rmsnorm_backward_op._init_fn(x, w, dy, 1e-6)
+    x64, w64 = x.double().requires_grad_(), w.double().requires_grad_()
+    rmsnorm_reference(x64, w64, 1e-6).backward(dy.double())
+    assert torch.allclose(dx.double(), x64.grad, rtol=1e-4, atol=1e-5)
+    assert torch.allclose(dw.double(), w64.grad, rtol=1e-4, atol=1e-4)
