@@ -11,12 +11,13 @@ ids and advantages), ``accelerator.backward`` and ``optimizer.step()`` + ``zero_
 
 ``--captured`` adds a second row per precision with the policy's backbone (the decoder layers, not
 the LM head and log-softmax, which TRL's fused head computes) under ``torch.compile``, after
-``kernels.resolve_dispatch``; the untimed warm-up steps include the compile. The trainer has no
-captured path yet; this measures what one would gain. Checked on CPU (``--compile-backend
-aot_eager``, toy sizes) only.
+``kernels.resolve_dispatch``; the untimed warm-up steps include the compile. The trainer's
+``compile_policy_forward`` compiles the same backbone. ``--compile-mode reduce-overhead`` adds CUDA
+graphs (inductor's default keeps each custom op's host code per call: the FP8 quant launches too).
+``--profile`` adds the GPU time per kernel kind (the gap to the wall time is host time the GPU waited on).
 
 Usage: ``python benchmarks/bench_actor_update.py [--layers 12] [--rows 4] [--prompt 256] [--completion 1792]
-[--captured]``
+[--captured [--captured-only] [--compile-mode reduce-overhead]] [--precisions bf16,fp8] [--profile]``
 """
 
 from __future__ import annotations
@@ -92,7 +93,8 @@ def measure(precision: str, args, tokenizer, captured: bool = False) -> dict:
 
             resolve_dispatch(args.device)
             backbone = model.model
-            backbone.forward = torch.compile(backbone.forward, backend=args.compile_backend, dynamic=False)
+            backbone.forward = torch.compile(backbone.forward, backend=args.compile_backend, mode=args.compile_mode,
+                                             dynamic=False)  # fmt: skip
 
         def update():
             loss = trainer.compute_loss(model, inputs, num_items_in_batch=inputs["num_items_in_batch"])
@@ -141,9 +143,12 @@ def main() -> None:
     ap.add_argument("--precisions", default="bf16,fp8", help="comma list of the precisions to time (bf16, fp8)")
     ap.add_argument("--profile", action="store_true", help="add GPU time by kernel kind per update (torch.profiler)")
     ap.add_argument("--compile-backend", default="inductor", help="torch.compile backend for --captured")
+    ap.add_argument("--compile-mode", default=None,
+                    help="torch.compile mode for --captured, e.g. reduce-overhead (CUDA graphs: no host time per launch)")
+    ap.add_argument("--captured-only", action="store_true", help="with --captured: skip the eager rows")
     args = ap.parse_args()
     tokenizer = build_tiny_tokenizer(model_max_length=4096)
-    modes = (False, True) if args.captured else (False,)
+    modes = ((True,) if args.captured_only else (False, True)) if args.captured else (False,)
     rows = []
     for captured in modes:
         for precision in args.precisions.split(","):
