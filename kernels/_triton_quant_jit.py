@@ -85,13 +85,15 @@ def _fp8_bits(x, scale):
 
 @triton.jit
 def act_quant_kernel(
-    x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_xk, stride_qm, stride_sm,
+    x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_xk, stride_qm, stride_sm, stride_sg,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, GROUPS_PER_PROG: tl.constexpr, UE8M0: tl.constexpr,
 ):
     """x [M, K] -> q [M, K] (uint8 view), s [M, ceil(K/GROUP)]; one [BLOCK_M, GROUPS_PER_PROG*GROUP] tile.
 
     ``x`` may have any strides: for a transposed view (stride_xm == 1, specialised by Triton) the
     loads are coalesced along M and the compiler moves the tile through shared memory for the store.
+    ``s`` is row-major (stride_sg == 1, specialised) or M-major (stride_sm == 1: the layout
+    ``torch._scaled_mm`` takes, so no copy is made for it).
     """
     pid_m = tl.program_id(0)
     pid_g = tl.program_id(1)
@@ -106,7 +108,7 @@ def act_quant_kernel(
     tl.store(q_ptr + rows[:, None, None] * stride_qm + cols[None, :, :], q, mask=mask)
     n_groups = tl.cdiv(K, GROUP)
     s_mask = (rows[:, None] < M) & (groups[None, :] < n_groups)
-    tl.store(s_ptr + rows[:, None] * stride_sm + groups[None, :], scale, mask=s_mask)
+    tl.store(s_ptr + rows[:, None] * stride_sm + groups[None, :] * stride_sg, scale, mask=s_mask)
 
 
 @triton.jit
@@ -130,10 +132,11 @@ def weight_quant_kernel(
 
 @triton.jit
 def requant_transpose_kernel(
-    q_ptr, s_ptr, qt_ptr, st_ptr, M, K, stride_qm, stride_sm, stride_qtk, stride_stk,
+    q_ptr, s_ptr, qt_ptr, st_ptr, M, K, stride_qm, stride_sm, stride_qtk, stride_stk, stride_stg,
     GROUP: tl.constexpr, BLOCK_K: tl.constexpr, UE8M0: tl.constexpr, TRANS_F32: tl.constexpr,
 ):
-    """q [M, K] fp8 (uint8 view) with s [M, ceil(K/GROUP)] -> qt [K, M], st [K, ceil(M/GROUP)].
+    """q [M, K] fp8 (uint8 view) with s [M, ceil(K/GROUP)] -> qt [K, M], st [K, ceil(M/GROUP)]
+    (st row-major, stride_stg == 1, or K-major, stride_stk == 1).
 
     Dequantizes one (GROUP tokens x BLOCK_K features) tile (``q.float() * s``, as the reference),
     then re-quantizes it in GROUP x 1 groups along the tokens and writes it transposed.
@@ -155,7 +158,7 @@ def requant_transpose_kernel(
     else:
         qt = tl.trans(_fp8_bits(x, scale[None, :]))
     tl.store(qt_ptr + cols[:, None].to(tl.int64) * stride_qtk + rows[None, :], qt, mask=tl.trans(mask))
-    tl.store(st_ptr + cols.to(tl.int64) * stride_stk + pid_m, scale, mask=cols < K)
+    tl.store(st_ptr + cols.to(tl.int64) * stride_stk + pid_m * stride_stg, scale, mask=cols < K)
 
 
 @triton.jit

@@ -47,15 +47,25 @@ def _unit_stride(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def scale_grid(rows: int, groups: int, device: torch.device, mn_major: bool) -> torch.Tensor:
+    """An empty FP32 scale grid ``[rows, groups]``: row-major, or with the rows contiguous (strides
+    ``(1, rows)``), the layout ``torch._scaled_mm`` takes for 1×128 scales (the GEMM backends read both)."""
+    if mn_major:
+        return torch.empty_strided((rows, groups), (1, max(rows, 1)), dtype=torch.float32, device=device)
+    return torch.empty((rows, groups), dtype=torch.float32, device=device)
+
+
 # --------------------------------------------------------------------------------------------
 # act_quant_fp8: 1 x group along K
 # --------------------------------------------------------------------------------------------
 @torch.library.custom_op("jetrl::act_quant_fp8", mutates_args=(), device_types="cuda")
-def _act_quant_op(x: torch.Tensor, group: int, scale_format: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _act_quant_op(
+    x: torch.Tensor, group: int, scale_format: str, mn_major_scales: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     jit = load_jit("_triton_quant_jit")
     m, k = x.shape
     q = torch.empty((m, k), dtype=_FP8, device=x.device)
-    s = torch.empty((m, cdiv(k, group)), dtype=torch.float32, device=x.device)
+    s = scale_grid(m, cdiv(k, group), x.device, mn_major_scales)
     if m == 0 or k == 0:
         return q, s
     block_m, groups_per_prog, warps = LAUNCH["act_t" if x.stride(0) == 1 and m > 1 else "act"]
@@ -63,7 +73,7 @@ def _act_quant_op(x: torch.Tensor, group: int, scale_format: str) -> tuple[torch
     block_m = max(1, block_m * 128 // group)  # the same tile size for other group sizes
     grid = (cdiv(m, block_m), cdiv(cdiv(k, group), groups_per_prog))
     jit.act_quant_kernel[grid](
-        x, q.view(torch.uint8), s, m, k, x.stride(0), x.stride(1), q.stride(0), s.stride(0),
+        x, q.view(torch.uint8), s, m, k, x.stride(0), x.stride(1), q.stride(0), s.stride(0), s.stride(1),
         GROUP=group, BLOCK_M=block_m, GROUPS_PER_PROG=groups_per_prog, UE8M0=scale_format == "ue8m0",
         num_warps=warps,
     )
@@ -71,24 +81,25 @@ def _act_quant_op(x: torch.Tensor, group: int, scale_format: str) -> tuple[torch
 
 
 @_act_quant_op.register_fake
-def _(x, group, scale_format):
+def _(x, group, scale_format, mn_major_scales=False):
     m, k = x.shape
-    return x.new_empty((m, k), dtype=_FP8), x.new_empty((m, cdiv(k, group)), dtype=torch.float32)
+    return x.new_empty((m, k), dtype=_FP8), scale_grid(m, cdiv(k, group), x.device, mn_major_scales)
 
 
 def act_quant_fp8(
-    x: torch.Tensor, *, group: int = 128, scale_format: str = "fp32"
+    x: torch.Tensor, *, group: int = 128, scale_format: str = "fp32", mn_major_scales: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """1×``group`` activation quantization along the last dim; == ``quantize_fp8_groups`` bit for bit.
 
     ``x`` is a CUDA tensor ``[M, K]`` (fp32/bf16/fp16) with any strides — pass ``dy.t()`` directly
     rather than ``dy.t().contiguous()``: the kernel reads the transposed view coalesced, saving a
-    copy. Returns ``q [M, K] float8_e4m3fn`` and ``s [M, ceil(K/group)] float32``, both contiguous.
+    copy. Returns ``q [M, K] float8_e4m3fn`` (contiguous) and ``s [M, ceil(K/group)] float32``,
+    contiguous, or with ``mn_major_scales`` laid out with strides ``(1, M)`` (same values).
     """
     check_cuda_2d(x, "x")
     check_group(group)
     check_scale_format(scale_format)
-    return call_op(_act_quant_op, x, group, scale_format)
+    return call_op(_act_quant_op, x, group, scale_format, bool(mn_major_scales))
 
 
 # --------------------------------------------------------------------------------------------
@@ -170,37 +181,38 @@ def weight_quant_fp8(
 # --------------------------------------------------------------------------------------------
 @torch.library.custom_op("jetrl::requant_transpose_fp8", mutates_args=(), device_types="cuda")
 def _requant_transpose_op(
-    q: torch.Tensor, s: torch.Tensor, group: int, scale_format: str
+    q: torch.Tensor, s: torch.Tensor, group: int, scale_format: str, mn_major_scales: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     jit = load_jit("_triton_quant_jit")
     m, k = q.shape
     qt = torch.empty((k, m), dtype=_FP8, device=q.device)
-    st = torch.empty((k, cdiv(m, group)), dtype=torch.float32, device=q.device)
+    st = scale_grid(k, cdiv(m, group), q.device, mn_major_scales)
     if m == 0 or k == 0:
         return qt, st
     block_k, warps, trans_f32 = LAUNCH["requant_t"]
     block_k = min(group, block_k)  # (group x block_k) tile; the transpose goes through shared memory
     jit.requant_transpose_kernel[(cdiv(m, group), cdiv(k, block_k))](
         q.view(torch.uint8), s, qt.view(torch.uint8), st, m, k, q.stride(0), s.stride(0), qt.stride(0), st.stride(0),
-        GROUP=group, BLOCK_K=block_k, UE8M0=scale_format == "ue8m0", TRANS_F32=trans_f32, num_warps=warps,
+        st.stride(1), GROUP=group, BLOCK_K=block_k, UE8M0=scale_format == "ue8m0", TRANS_F32=trans_f32, num_warps=warps,
     )
     return qt, st
 
 
 @_requant_transpose_op.register_fake
-def _(q, s, group, scale_format):
+def _(q, s, group, scale_format, mn_major_scales=False):
     m, k = q.shape
-    return q.new_empty((k, m), dtype=_FP8), q.new_empty((k, cdiv(m, group)), dtype=torch.float32)
+    return q.new_empty((k, m), dtype=_FP8), scale_grid(k, cdiv(m, group), q.device, mn_major_scales)
 
 
 def requant_transpose_fp8(
-    q: torch.Tensor, s: torch.Tensor, *, group: int = 128, scale_format: str = "fp32"
+    q: torch.Tensor, s: torch.Tensor, *, group: int = 128, scale_format: str = "fp32", mn_major_scales: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dequantize → transpose → re-quantize 1×``group`` along the old rows (tokens), fused.
 
     == ``quantize_fp8_groups(dequantize_fp8_groups(q, s, group).t().contiguous(), group)``.
     ``q [M, K] float8_e4m3fn`` (unit stride along K) with ``s [M, ceil(K/group)] float32``;
-    returns ``qt [K, M] float8_e4m3fn`` and ``st [K, ceil(M/group)] float32``, contiguous.
+    returns ``qt [K, M] float8_e4m3fn`` (contiguous) and ``st [K, ceil(M/group)] float32``,
+    contiguous, or with ``mn_major_scales`` laid out with strides ``(1, K)`` (same values).
     """
     check_cuda_2d(q, "q", (_FP8,))
     check_cuda_2d(s, "s", (torch.float32,))
@@ -209,7 +221,7 @@ def requant_transpose_fp8(
     expected = (q.shape[0], cdiv(q.shape[1], group))
     if tuple(s.shape) != expected:
         raise ValueError(f"s has shape {tuple(s.shape)}; expected {expected} for q {tuple(q.shape)}, group={group}.")
-    return call_op(_requant_transpose_op, _unit_stride(q), _unit_stride(s), group, scale_format)
+    return call_op(_requant_transpose_op, _unit_stride(q), _unit_stride(s), group, scale_format, bool(mn_major_scales))
 
 
 # --------------------------------------------------------------------------------------------

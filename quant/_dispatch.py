@@ -33,19 +33,26 @@ def _kernel(name: str, x: torch.Tensor) -> Optional[Callable[..., Pair]]:
     return getattr(module, name) if module is not None else None
 
 
-def act_quant_fp8(x2d: torch.Tensor, scale_format: str = "fp32") -> Pair:
+def act_quant_fp8(x2d: torch.Tensor, scale_format: str = "fp32", *, mn_major_scales: bool = False) -> Pair:
     """``x [M, K]`` -> ``(q [M, K] fp8, s [M, ceil(K/128)] fp32)``, 1×128 groups along K.
 
     A pair already offered by a fused producer (RMSNorm/SwiGLU + quant) is served as is. The Triton
     kernel reads any strides (e.g. ``dY.t()`` for WGrad), so no transposed copy is made for it.
+    ``mn_major_scales``: ``s`` with strides ``(1, M)``, the layout ``torch._scaled_mm`` takes (same
+    values; an offered pair keeps its own layout, which every GEMM backend reads).
     """
     prequantized = take_prequantized(x2d, scale_format)
     if prequantized is not None:
         return prequantized
     fast = _kernel("act_quant_fp8", x2d)
     if fast is not None:
-        return fast(x2d, scale_format=scale_format)
-    return quantize_fp8_groups(x2d.contiguous(), 128, scale_format=scale_format)
+        return fast(x2d, scale_format=scale_format, mn_major_scales=mn_major_scales)
+    q, s = quantize_fp8_groups(x2d.contiguous(), 128, scale_format=scale_format)
+    return q, _mn_major(s) if mn_major_scales else s
+
+
+def _mn_major(s: torch.Tensor) -> torch.Tensor:
+    return torch.empty_strided(s.shape, (1, max(s.shape[0], 1)), dtype=s.dtype, device=s.device).copy_(s)
 
 
 def decode_gemm_module(x2d: torch.Tensor, max_m: Optional[int] = None) -> Optional[ModuleType]:
@@ -94,15 +101,18 @@ def weight_quant_fp8(w: torch.Tensor, scale_format: str = "fp32", *, out: Option
     return quantize_fp8_blocks(w, 128, scale_format=scale_format)
 
 
-def requant_transpose_fp8(q: torch.Tensor, s: torch.Tensor, scale_format: str = "fp32") -> Pair:
+def requant_transpose_fp8(
+    q: torch.Tensor, s: torch.Tensor, scale_format: str = "fp32", *, mn_major_scales: bool = False
+) -> Pair:
     """The WGrad operand: ``(q [M, K], s [M, ceil(K/128)])`` -> ``(qt [K, M], st [K, ceil(M/128)])``,
-    i.e. the dequantized tensor transposed and re-quantized in 1×128 groups along M.
+    i.e. the dequantized tensor transposed and re-quantized in 1×128 groups along M
+    (``mn_major_scales``: ``st`` with strides ``(1, K)``, as in `act_quant_fp8`).
 
     Layers that share an input (q/k/v, gate/up) save the same ``(q, s)`` pair, handed over by the fused
     norm, so the result is kept while ``q`` lives and served again: one launch instead of three (or
     two) per layer in backward. Keyed by storage, layout and version, as the hand-off is."""
     memo = _requant_table()
-    key = (q.data_ptr(), s.data_ptr(), scale_format)
+    key = (q.data_ptr(), s.data_ptr(), scale_format, mn_major_scales)
     entry = memo.get(key) if memo is not None else None
     if entry is not None:
         ref, version, layout, pair = entry
@@ -110,9 +120,10 @@ def requant_transpose_fp8(q: torch.Tensor, s: torch.Tensor, scale_format: str = 
             return pair
     fast = _kernel("requant_transpose_fp8", q)
     if fast is not None:
-        pair = fast(q, s, scale_format=scale_format)
+        pair = fast(q, s, scale_format=scale_format, mn_major_scales=mn_major_scales)
     else:
-        pair = quantize_fp8_groups(dequantize_fp8_groups(q, s).t().contiguous(), 128, scale_format=scale_format)
+        qt, st = quantize_fp8_groups(dequantize_fp8_groups(q, s).t().contiguous(), 128, scale_format=scale_format)
+        pair = qt, _mn_major(st) if mn_major_scales else st
     if memo is not None:
         # The entry dies with q (autograd frees it after the last layer that saved it), so q's storage is
         # never reused while the entry exists.

@@ -63,6 +63,10 @@ from jetrl_trainer.quant.stats import record_gemm
 __all__ = ["QuantLinear", "invalidate_weight_caches"]
 
 _generation = 0
+# Backward's own 1×128 scales (dY for DGrad, dYᵀ and X_q'ᵀ for WGrad) written M-major, the layout
+# `torch._scaled_mm` takes, instead of row-major then copied by the backend (3 small copies per
+# backward). Same values; off until its GPU tests and timings have run on the H200.
+BACKWARD_MN_MAJOR_SCALES = False
 
 
 def invalidate_weight_caches() -> None:
@@ -129,15 +133,15 @@ class _FP8LinearFunction(torch.autograd.Function):
         dx = dw = db = None
         if need_dx:
             # grad_input: dX [M, K] = dY_q [M, N] (1x128 along N) ⊗ W_qᵀ [K, N] (128x128 blocks)
-            dy_q, dy_s = act_quant_fp8(dy, fmt)
+            dy_q, dy_s = act_quant_fp8(dy, fmt, mn_major_scales=BACKWARD_MN_MAJOR_SCALES)
             wt_q, wt_s = (w_q, w_s) if ctx.transposed else transpose_fp8_blocks(w_q, w_s)
             dx = fp8_gemm_nt(
                 (dy_q, dy_s), (wt_q, wt_s), b_granularity="block", out_dtype=ctx.x_dtype, backend=ctx.gemm_backend
             )
         if need_dw:
             # grad_weight: dW [N, K] = dYᵀ_q [N, M] (1x128 along M) ⊗ X_q'ᵀ [K, M] (1x128 along M)
-            dyt_q, dyt_s = act_quant_fp8(dy.t(), fmt)
-            xt_q, xt_s = requant_transpose_fp8(x_q, x_s, fmt)
+            dyt_q, dyt_s = act_quant_fp8(dy.t(), fmt, mn_major_scales=BACKWARD_MN_MAJOR_SCALES)
+            xt_q, xt_s = requant_transpose_fp8(x_q, x_s, fmt, mn_major_scales=BACKWARD_MN_MAJOR_SCALES)
             dw = fp8_gemm_nt(
                 (dyt_q, dyt_s), (xt_q, xt_s), b_granularity="group", out_dtype=ctx.w_dtype, backend=ctx.gemm_backend
             )

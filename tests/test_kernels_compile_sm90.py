@@ -95,11 +95,13 @@ def _fp8_cast_and_division(ptx: str) -> bool:
 
 QUANT_KERNELS = {  # kernel: (pointer types, constexprs, launch, FP32 scalars)
     "act_quant_kernel": (dict(x_ptr="*bf16", q_ptr="*u8", s_ptr="*fp32"),
-                         dict(GROUP=128, BLOCK_M=16, GROUPS_PER_PROG=2, UE8M0=False), dict(num_warps=4), ()),
+                         dict(GROUP=128, BLOCK_M=16, GROUPS_PER_PROG=2, UE8M0=False, stride_sg=1), dict(num_warps=4),
+                         ()),
     "weight_quant_kernel": (dict(w_ptr="*bf16", q_ptr="*u8", s_ptr="*fp32"), dict(BLOCK=128, UE8M0=True),
                             dict(num_warps=16), ()),
     "requant_transpose_kernel": (dict(q_ptr="*u8", s_ptr="*fp32", qt_ptr="*u8", st_ptr="*fp32"),
-                                 dict(GROUP=128, BLOCK_K=32, UE8M0=False, TRANS_F32=False), dict(num_warps=4), ()),
+                                 dict(GROUP=128, BLOCK_K=32, UE8M0=False, TRANS_F32=False, stride_stg=1),
+                                 dict(num_warps=4), ()),
 }  # fmt: skip
 FUSED_KERNELS = {
     "rmsnorm_quant_kernel": (dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", q_ptr="*u8", s_ptr="*fp32"),

@@ -159,6 +159,27 @@ def test_scaled_mm_operands_layout_and_padding(m, n, k, granularity):
     assert not got[m:].any() and not got[:, n:].any()  # padding contributes exact zeros
 
 
+def test_mn_major_scales_reach_scaled_mm_without_a_copy():
+    """Backward's scales written M-major (``mn_major_scales``) are what ``_scaled_mm`` takes: on aligned
+    shapes the prepared ``scale_a`` (and WGrad's ``scale_b``) are the same storage, not a copy; row-major
+    ones are copied, as before."""
+    from jetrl_trainer.quant._dispatch import act_quant_fp8, requant_transpose_fp8
+
+    dy, x = torch.randn(512, 512), torch.randn(512, 1024)  # 512 tokens: 4 groups of 128, no padding
+    x_q, x_s = quantize_fp8_groups(x)
+    w_q, w_s = quantize_fp8_blocks(torch.randn(512, 1024))
+    for mn_major in (False, True):
+        dy_q, dy_s = act_quant_fp8(dy, mn_major_scales=mn_major)  # DGrad's A (the reference path on CPU)
+        assert (dy_s.stride() == (1, 512)) is mn_major
+        _, _, sa, _ = prepare_scaled_mm_operands(dy_q, dy_s, w_q.t().contiguous(), w_s.t().contiguous(), "block")
+        assert (sa.data_ptr() == dy_s.data_ptr()) is mn_major
+        dyt_q, dyt_s = act_quant_fp8(dy.t(), mn_major_scales=mn_major)  # WGrad's A and B
+        xt_q, xt_s = requant_transpose_fp8(x_q, x_s, mn_major_scales=mn_major)
+        _, _, sa, sb = prepare_scaled_mm_operands(dyt_q, dyt_s, xt_q, xt_s, "group")
+        assert (sa.data_ptr() == dyt_s.data_ptr() and sb.data_ptr() == xt_s.data_ptr()) is mn_major
+        assert torch.equal(dyt_s, quantize_fp8_groups(dy.t().contiguous())[1])
+
+
 def test_custom_op_fake_shapes_on_meta():
     import jetrl_trainer.kernels  # noqa: F401  (registers the ops)
 

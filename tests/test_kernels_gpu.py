@@ -276,6 +276,8 @@ def test_custom_ops_pass_opcheck():
     wq, ws = quantize_fp8_blocks(x)
     cases = [
         (torch.ops.jetrl.act_quant_fp8.default, (x, 128, "fp32")),
+        (torch.ops.jetrl.act_quant_fp8.default, (x.t(), 128, "fp32", True)),  # M-major scales
+        (torch.ops.jetrl.requant_transpose_fp8.default, (q, s, 128, "fp32", True)),
         (torch.ops.jetrl.weight_quant_fp8.default, (x, 128, "ue8m0")),
         (torch.ops.jetrl.requant_transpose_fp8.default, (q, s, 128, "fp32")),
         (torch.ops.jetrl.transpose_fp8_blocks.default, (wq, ws)),

@@ -221,3 +221,32 @@ def test_rmsnorm_backward_tiles_cover_every_row_once(m, k):
     rmsnorm_reference(x64, w64, 1e-6).backward(dy.double())
     assert torch.allclose(dx.double(), x64.grad, rtol=1e-4, atol=1e-5)
     assert torch.allclose(dw.double(), w64.grad, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_act_quant_writes_mn_major_scales_with_the_same_bits(transposed):
+    """``mn_major_scales`` changes only where the scales go (strides (1, M), what ``torch._scaled_mm``
+    takes): the FP8 bytes and scale values equal the row-major launch's, for a plain and a transposed
+    input (WGrad's ``dY.t()``), ragged M and K."""
+    from jetrl_trainer.kernels import triton_quant
+
+    g = torch.Generator().manual_seed(int(transposed))
+    x = torch.randn(300, 200, generator=g) * 5
+    x = x.t() if transposed else x
+    q_row, s_row = triton_quant._act_quant_op._init_fn(x, 128, "fp32", False)
+    q_mn, s_mn = triton_quant._act_quant_op._init_fn(x, 128, "fp32", True)
+    assert s_row.stride() == (s_row.shape[1], 1) and s_mn.stride() == (1, s_mn.shape[0])
+    assert torch.equal(q_mn.view(torch.uint8), q_row.view(torch.uint8)) and torch.equal(s_mn, s_row)
+    assert torch.equal(s_row, quantize_fp8_groups(x.contiguous(), 128)[1])
+
+
+def test_requant_transpose_writes_mn_major_scales_with_the_same_bits():
+    from jetrl_trainer.kernels import triton_quant
+
+    q, s = quantize_fp8_groups(torch.randn(300, 200, generator=torch.Generator().manual_seed(3)) * 5, 128)
+    qt_row, st_row = triton_quant._requant_transpose_op._init_fn(q, s, 128, "fp32", False)
+    qt_mn, st_mn = triton_quant._requant_transpose_op._init_fn(q, s, 128, "fp32", True)
+    assert st_row.shape == (200, 3) and st_row.stride() == (3, 1) and st_mn.stride() == (1, 200)
+    assert torch.equal(qt_mn.view(torch.uint8), qt_row.view(torch.uint8)) and torch.equal(st_mn, st_row)
+    want = quantize_fp8_groups(dequantize_fp8_groups(q, s).t().contiguous(), 128)[1]
+    assert torch.equal(st_row, want)

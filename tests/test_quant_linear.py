@@ -82,6 +82,23 @@ def test_fp8_backward_is_exactly_the_contracted_data_flow():
     assert torch.equal(dw, want_dw)
 
 
+def test_mn_major_backward_scales_change_no_gradient_bit(monkeypatch):
+    """``BACKWARD_MN_MAJOR_SCALES`` lays backward's scales out for ``torch._scaled_mm`` (no copy there):
+    the gradients are bit for bit the row-major ones."""
+    import jetrl_trainer.quant.linear as linear
+
+    _, q = _pair(n_in=260, n_out=130, bias=True)
+    x, dy = torch.randn(150, 260), torch.randn(150, 130)
+    row = _run(q, x, dy)
+    row = row[0], [g.clone() for g in row[1]]
+    q.weight.grad = q.bias.grad = None
+    monkeypatch.setattr(linear, "BACKWARD_MN_MAJOR_SCALES", True)
+    mn = _run(q, x, dy)
+    assert torch.equal(mn[0], row[0])
+    for got, want in zip(mn[1], row[1]):
+        assert_bits_equal(got, want, "grad")
+
+
 def _saved_tensors(module, x):
     saved = []
 

@@ -62,6 +62,27 @@ def test_triton_kernels_equal_reference_quantizers_end_to_end(backend, scale_for
         assert_bits_equal(f, s, what)
 
 
+@pytest.mark.skipif(not triton_available(), reason="needs Triton")
+@pytest.mark.parametrize("backend", gpu_gemm_backends())
+def test_mn_major_backward_scales_give_the_same_bits_on_gpu(backend, monkeypatch):
+    """``BACKWARD_MN_MAJOR_SCALES``: the Triton quant kernels write backward's scales M-major (what
+    ``torch._scaled_mm`` takes); forward and gradients are bit for bit the row-major ones, with ragged
+    and with aligned token counts (the latter reach ``_scaled_mm`` without a copy)."""
+    import jetrl_trainer.quant.linear as linear
+
+    layer = _layer("cuda", n_in=1024, n_out=768)
+    monkeypatch.setenv("JETRL_GEMM_BACKEND", backend)
+    reset_kernel_caches()
+    for tokens in (231, 512):
+        x = torch.randn(tokens, 1024, device="cuda", dtype=torch.bfloat16)
+        dy = torch.randn(tokens, 768, device="cuda", dtype=torch.bfloat16)
+        monkeypatch.setattr(linear, "BACKWARD_MN_MAJOR_SCALES", False)
+        row = [t.clone() for t in _run(layer, x, dy)]
+        monkeypatch.setattr(linear, "BACKWARD_MN_MAJOR_SCALES", True)
+        for got, want, what in zip(_run(layer, x, dy), row, ("y", "dx", "dw", "db")):
+            assert_bits_equal(got, want, what)
+
+
 @pytest.mark.parametrize("backend", gpu_gemm_backends())
 def test_gpu_matches_cpu_reference(backend, monkeypatch):
     cpu, gpu = _layer("cpu"), _layer("cuda")
