@@ -24,6 +24,7 @@ __all__ = ["act_quant_fp8", "decode_gemm_module", "decode_linear_fp8", "requant_
 
 Pair = tuple[torch.Tensor, torch.Tensor]
 _requant_memo = threading.local()  # per thread: the autograd engine runs a device's backward on one thread
+_REQUANT_MEMO_ENTRIES = 2
 
 
 def _kernel(name: str, x: torch.Tensor) -> Optional[Callable[..., Pair]]:
@@ -126,9 +127,13 @@ def requant_transpose_fp8(
         pair = qt, _mn_major(st) if mn_major_scales else st
     if memo is not None:
         # The entry dies with q (autograd frees it after the last layer that saved it), so q's storage is
-        # never reused while the entry exists.
+        # never reused while the entry exists. The siblings' backwards run one after another, so the few
+        # newest entries are enough; the bound keeps a retained graph (backward(retain_graph=True), where
+        # q outlives the backward) from holding every layer's operand.
         ref = weakref.ref(q, lambda _r, key=key, memo=memo: memo.pop(key, None))
         memo[key] = (ref, q._version, _layout(q, s), pair)
+        while len(memo) > _REQUANT_MEMO_ENTRIES:
+            memo.pop(next(iter(memo)), None)  # the oldest
     return pair
 
 

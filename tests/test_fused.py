@@ -143,6 +143,17 @@ def test_wgrad_operand_is_recomputed_for_a_modified_or_different_input():
     assert requant_transpose_fp8(q, s, "ue8m0")[0] is not second[0]
 
 
+def test_wgrad_operand_memo_keeps_only_the_newest_entries():
+    """A retained graph keeps every saved input alive; the memo still holds two operands, not one per layer."""
+    from jetrl_trainer.quant import _dispatch
+
+    pairs = [quantize_fp8_groups(torch.randn(128, 128), 128) for _ in range(4)]
+    firsts = [_dispatch.requant_transpose_fp8(q, s)[0] for q, s in pairs]
+    assert len(_dispatch._requant_table()) == 2
+    assert _dispatch.requant_transpose_fp8(*pairs[3])[0] is firsts[3]  # the newest is still served
+    assert _dispatch.requant_transpose_fp8(*pairs[0])[0] is not firsts[0]  # the oldest was dropped
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not triton_available(), reason="needs Triton")
 def test_qkv_backward_requant_transposes_the_shared_input_once_on_gpu(monkeypatch):
