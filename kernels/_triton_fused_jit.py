@@ -18,52 +18,49 @@ from jetrl_trainer.kernels._triton_quant_jit import _amax, _fp8_bits, _scale_fro
 
 
 @triton.jit
-def _store_quantized_row(y, row, K, q_ptr, s_ptr, stride_qm, stride_sm,
-                         BLOCK_K: tl.constexpr, GROUP: tl.constexpr, UE8M0: tl.constexpr):
-    """Quantize one row ``y`` (BLOCK_K fp32, zeros past K) in 1×GROUP groups and store it."""
-    yg = tl.reshape(y, (BLOCK_K // GROUP, GROUP))
-    scale = _scale_from_amax(_amax(yg, 1), UE8M0)  # (BLOCK_K // GROUP,)
-    q = tl.reshape(_fp8_bits(yg, scale[:, None]), (BLOCK_K,))
+def _store_quantized_rows(y, rows, row_ok, K, q_ptr, s_ptr, stride_qm, stride_sm,
+                          BLOCK_K: tl.constexpr, GROUP: tl.constexpr, UE8M0: tl.constexpr):  # fmt: skip
+    """Quantize the rows of ``y`` (``[ROWS, BLOCK_K]`` fp32, zeros past K) in 1×GROUP groups and store them."""
+    yg = tl.reshape(y, (y.shape[0], BLOCK_K // GROUP, GROUP))
+    scale = _scale_from_amax(_amax(yg, 2), UE8M0)  # (ROWS, BLOCK_K // GROUP)
+    q = tl.reshape(_fp8_bits(yg, scale[:, :, None]), (y.shape[0], BLOCK_K))
     cols = tl.arange(0, BLOCK_K)
-    tl.store(q_ptr + row * stride_qm + cols, q, mask=cols < K)
+    tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q, mask=row_ok[:, None] & (cols[None, :] < K))
     groups = tl.arange(0, BLOCK_K // GROUP)
-    tl.store(s_ptr + row * stride_sm + groups, scale, mask=groups < tl.cdiv(K, GROUP))
-
-
-@triton.jit
-def rms_divisor(x, k_float, eps, LEVELS: tl.constexpr):
-    """``sqrt(mean(x²) + eps)`` of one FP32 row (zeros past K) as ``rmsnorm_reference`` computes it:
-    squares summed in a pairwise tree of adjacent pairs, a true division by ``k_float`` = fp32(K)
-    (exact below 2^24), correctly rounded sqrt. Needs ``enable_fp_fusion=False`` (no FMA contraction)."""
-    total = x * x
-    for _ in tl.static_range(LEVELS):  # LEVELS = log2(width) - 1 halvings, then the last pair
-        total = tl.sum(tl.reshape(total, (total.shape[0] // 2, 2)), axis=1)
-    total = tl.sum(total, axis=0)  # the last pair: one commutative add
-    return tl.math.sqrt_rn(tl.math.div_rn(total, k_float) + eps)
-
-
-@triton.jit
-def _rmsnorm_quant_row(x_raw, row, cols, mask, K, k_float, eps, w_ptr, y_ptr, q_ptr, s_ptr, stride_ym, stride_qm,
-                       stride_sm, BLOCK_K: tl.constexpr, LEVELS: tl.constexpr, GROUP: tl.constexpr,
-                       UE8M0: tl.constexpr):  # fmt: skip
-    """Store ``y = w * (x / sqrt(mean(x²) + eps)).to(dtype)`` of the row ``x_raw`` and its quantization."""
-    x = x_raw.to(tl.float32)
-    h = tl.math.div_rn(x, rms_divisor(x, k_float, eps, LEVELS)).to(x_raw.dtype)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    y = (w.to(tl.float32) * h.to(tl.float32)).to(y_ptr.dtype.element_ty)
-    tl.store(y_ptr + row * stride_ym + cols, y, mask=mask)
-    _store_quantized_row(y.to(tl.float32), row, K, q_ptr, s_ptr, stride_qm, stride_sm, BLOCK_K, GROUP, UE8M0)
+    s_mask = row_ok[:, None] & (groups[None, :] < tl.cdiv(K, GROUP))
+    tl.store(s_ptr + rows[:, None] * stride_sm + groups[None, :], scale, mask=s_mask)
 
 
 @triton.jit
 def rms_divisor_rows(x, k_float, eps, LEVELS: tl.constexpr):
-    """``rms_divisor`` of each row of a ``[ROWS, BLOCK_K]`` FP32 tile: per row the same adjacent-pair
-    tree, so a row's bits do not depend on the rows tiled with it."""
+    """``sqrt(mean(x²) + eps)`` of each row of a ``[ROWS, BLOCK_K]`` FP32 tile (zeros past K) as
+    ``rmsnorm_reference`` computes it: squares summed in a pairwise tree of adjacent pairs
+    (``LEVELS`` = log2(BLOCK_K) - 1 halvings, then the last pair), a true division by ``k_float`` =
+    fp32(K) (exact below 2^24), correctly rounded sqrt. Each row has its own tree, so its bits do not
+    depend on the rows tiled with it. Needs ``enable_fp_fusion=False`` (no FMA contraction)."""
     total = x * x
     for _ in tl.static_range(LEVELS):
         total = tl.sum(tl.reshape(total, (total.shape[0], total.shape[1] // 2, 2)), axis=2)
     total = tl.sum(total, axis=1)  # the last pair of each row
     return tl.math.sqrt_rn(tl.math.div_rn(total, k_float) + eps)
+
+
+@triton.jit
+def _rmsnorm_quant_rows(x_raw, rows, row_ok, K, k_float, eps, w_ptr, y_ptr, q_ptr, s_ptr, stride_ym, stride_qm,
+                        stride_sm, BLOCK_K: tl.constexpr, LEVELS: tl.constexpr, GROUP: tl.constexpr,
+                        UE8M0: tl.constexpr, QUANT: tl.constexpr):  # fmt: skip
+    """Store ``y = w * (x / sqrt(mean(x²) + eps)).to(dtype)`` of the rows ``x_raw`` (``[ROWS, BLOCK_K]``)
+    and, with ``QUANT``, its quantization."""
+    cols = tl.arange(0, BLOCK_K)
+    mask = row_ok[:, None] & (cols[None, :] < K)
+    x = x_raw.to(tl.float32)
+    h = tl.math.div_rn(x, rms_divisor_rows(x, k_float, eps, LEVELS)[:, None]).to(x_raw.dtype)
+    w = tl.load(w_ptr + cols, mask=cols < K, other=0.0)
+    y = (w.to(tl.float32)[None, :] * h.to(tl.float32)).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], y, mask=mask)
+    if QUANT:
+        _store_quantized_rows(y.to(tl.float32), rows, row_ok, K, q_ptr, s_ptr, stride_qm, stride_sm, BLOCK_K, GROUP,
+                              UE8M0)  # fmt: skip
 
 
 @triton.jit
@@ -77,21 +74,11 @@ def rmsnorm_quant_kernel(
     pdl_enter(PDL)
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     cols = tl.arange(0, BLOCK_K)
-    mask = (rows[:, None] < M) & (cols[None, :] < K)
-    x_raw = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
-    x = x_raw.to(tl.float32)
-    h = tl.math.div_rn(x, rms_divisor_rows(x, k_float, eps, LEVELS)[:, None]).to(x_raw.dtype)
-    w = tl.load(w_ptr + cols, mask=cols < K, other=0.0)
-    y = (w.to(tl.float32)[None, :] * h.to(tl.float32)).to(y_ptr.dtype.element_ty)
-    tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], y, mask=mask)
-    if QUANT:
-        yg = tl.reshape(y.to(tl.float32), (ROWS, BLOCK_K // GROUP, GROUP))
-        scale = _scale_from_amax(_amax(yg, 2), UE8M0)  # (ROWS, BLOCK_K // GROUP)
-        q = tl.reshape(_fp8_bits(yg, scale[:, :, None]), (ROWS, BLOCK_K))
-        tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q, mask=mask)
-        groups = tl.arange(0, BLOCK_K // GROUP)
-        s_mask = (rows[:, None] < M) & (groups[None, :] < tl.cdiv(K, GROUP))
-        tl.store(s_ptr + rows[:, None] * stride_sm + groups[None, :], scale, mask=s_mask)
+    row_ok = rows < M
+    x_raw = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=row_ok[:, None] & (cols[None, :] < K),
+                    other=0.0)  # fmt: skip
+    _rmsnorm_quant_rows(x_raw, rows, row_ok, K, k_float, eps, w_ptr, y_ptr, q_ptr, s_ptr, stride_ym, stride_qm,
+                        stride_sm, BLOCK_K, LEVELS, GROUP, UE8M0, QUANT)  # fmt: skip
 
 
 @triton.jit
@@ -121,8 +108,9 @@ def add_rmsnorm_quant_kernel(
         d = acc.to(r_raw.dtype).to(tl.float32)
     h = (r_raw.to(tl.float32) + d).to(r_raw.dtype)
     tl.store(h_ptr + row * stride_hm + cols, h, mask=mask)
-    _rmsnorm_quant_row(h, row, cols, mask, K, k_float, eps, w_ptr, y_ptr, q_ptr, s_ptr, stride_ym, stride_qm,
-                       stride_sm, BLOCK_K, LEVELS, GROUP, UE8M0)  # fmt: skip
+    one = tl.arange(0, 1)  # the row as a (1, BLOCK_K) tile
+    _rmsnorm_quant_rows(tl.reshape(h, (1, BLOCK_K)), row + one, one == 0, K, k_float, eps, w_ptr, y_ptr, q_ptr, s_ptr,
+                        stride_ym, stride_qm, stride_sm, BLOCK_K, LEVELS, GROUP, UE8M0, True)  # fmt: skip
 
 
 @triton.jit

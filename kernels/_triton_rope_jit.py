@@ -12,7 +12,7 @@ Qwen3's per-head q/k RMSNorm as ``rmsnorm_reference`` (the ``_triton_fused_jit``
 import triton
 import triton.language as tl
 
-from jetrl_trainer.kernels._triton_fused_jit import rms_divisor
+from jetrl_trainer.kernels._triton_fused_jit import rms_divisor_rows
 from jetrl_trainer.kernels._triton_quant_jit import _amax, _fp8_bits, _scale_from_amax, pdl_enter
 
 
@@ -25,7 +25,7 @@ def _rotate(x_ptr, cos, sin, d, HALF: tl.constexpr, norm_w_ptr, eps, NORM: tl.co
     x_raw = tl.load(x_ptr + d)
     partner_raw = tl.load(x_ptr + partner_d)
     if NORM:  # y = w * (x / sqrt(mean(x²) + eps)).to(dtype), rounded to dtype; the partner shares the divisor
-        divisor = rms_divisor(x_raw.to(tl.float32), 2.0 * HALF, eps, LEVELS)
+        divisor = tl.sum(rms_divisor_rows(tl.reshape(x_raw.to(tl.float32), (1, 2 * HALF)), 2.0 * HALF, eps, LEVELS), 0)
         w = tl.load(norm_w_ptr + d).to(tl.float32)
         w_partner = tl.load(norm_w_ptr + partner_d).to(tl.float32)
         x_raw = (w * tl.math.div_rn(x_raw.to(tl.float32), divisor).to(dtype).to(tl.float32)).to(dtype)
