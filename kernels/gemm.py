@@ -41,6 +41,7 @@ __all__ = [
     "GemmFn",
     "auto_gemm_backends",
     "available_gemm_backends",
+    "column_major",
     "fp8_gemm_nt",
     "forced_gemm_backend",
     "gemm_backend_forced",
@@ -201,6 +202,14 @@ def _check_operands(a_q, a_s, b_q, b_s, b_granularity: str) -> None:
     for what, s, expected in (("a", a_s, (m, groups)), ("b", b_s, expected_b)):
         if s.dtype != torch.float32 or tuple(s.shape) != expected:
             raise ValueError(f"{what} scale must be float32 of shape {expected}; got {s.dtype} {tuple(s.shape)}.")
+
+
+def column_major(s: torch.Tensor) -> torch.Tensor:
+    """``s [R, C]`` with strides ``(1, R)``, the layout of ``_scaled_mm``'s 1×128 scales (``s`` itself if it has it)."""
+    # Explicit strides: `.t().contiguous().t()` keeps odd strides when a dim has size 1.
+    if s.stride() == (1, s.shape[0]):
+        return s
+    return torch.empty_strided(s.shape, (1, s.shape[0]), dtype=s.dtype, device=s.device).copy_(s)
 
 
 def fp8_gemm_nt(

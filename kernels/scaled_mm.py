@@ -35,7 +35,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from jetrl_trainer.kernels.gemm import register_gemm_backend
+from jetrl_trainer.kernels.gemm import column_major, register_gemm_backend
 
 __all__ = ["scaled_mm_available", "scaled_mm_fp8_gemm_nt"]
 
@@ -102,19 +102,12 @@ def prepare_scaled_mm_operands(
     k_pad, n_pad, m_pad = groups * _GROUP, _round_up(n, 16), _round_up(m, M_ALIGN)
     a_q = _pad_fp8(a_q.contiguous(), m_pad, k_pad)
     b_q = _pad_fp8(b_q.contiguous(), n_pad, k_pad)
-    scale_a = _column_major(_pad_scale(a_s, m_pad, groups))  # (M', G') strides (1, M')
+    scale_a = column_major(_pad_scale(a_s, m_pad, groups))  # (M', G') strides (1, M')
     if b_granularity == "block":
         scale_b = _pad_scale(b_s, b_s.shape[0], groups).contiguous().t()  # view of (Nb, G') row-major
     else:
-        scale_b = _column_major(_pad_scale(b_s, n_pad, groups)).t()  # (G', N'); .t() is (N', G') col-major
+        scale_b = column_major(_pad_scale(b_s, n_pad, groups)).t()  # (G', N'); .t() is (N', G') col-major
     return a_q, b_q.t(), scale_a, scale_b
-
-
-def _column_major(s: torch.Tensor) -> torch.Tensor:
-    # Explicit strides: `.t().contiguous().t()` keeps odd strides when a dim has size 1.
-    if s.stride() == (1, s.shape[0]):
-        return s
-    return torch.empty_strided(s.shape, (1, s.shape[0]), dtype=s.dtype, device=s.device).copy_(s)
 
 
 def scaled_mm_fp8_gemm_nt(

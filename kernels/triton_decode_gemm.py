@@ -66,8 +66,8 @@ DECODE_MAX_M = 64
 # PREFETCH_GROUPS: under programmatic dependent launch (_triton_support.programmatic_dependent_launch),
 # the weight tiles of its first groups each program asks L2 for before it waits for the kernel before.
 # TMA: load the weight (and a prequantized activation) through tensor descriptors instead of pointers
-# (Hopper and newer; the same bits). Off: not yet measured on the GPU (benchmarks/bench_decode_gemm.py
-# --sweep-grid "TMA=0,1" times it).
+# (Hopper and newer; the same bits). Off: on the H200 it won only q/k/v at M = 16 (8.22 against 8.50 us)
+# and never made the top four at M = 64 (docs/benchmarks.md §7, run 37).
 LAUNCH = dict(BLOCK_N=64, WAVES=2, MIN_GROUPS_PER_SPLIT=4, SWAP_BELOW_M=64, num_warps=4, num_stages=3, MAX_BLOCK_M=64,
               PREFETCH_GROUPS=2, TMA=0)  # fmt: skip
 # Up to this M a QuantLinear quantizes the activation in the GEMM's prologue. 0: never. Every N tile

@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from ._triton_support import call_op, cdiv, check_cuda_2d, check_scale_format, load_jit, pdl_launch
+from ._triton_support import call_op, cdiv, check_cuda_2d, check_scale_format, load_jit, pdl_launch, sm_count
 
 __all__ = ["add_rmsnorm_quant_fp8", "rmsnorm_backward", "rmsnorm_quant_fp8"]
 
@@ -176,7 +176,7 @@ def _rmsnorm_backward_op(
     block_k = max(16, 1 << (k - 1).bit_length())
     rows = _rows_per_tile(block_k)
     tiles = cdiv(m, rows)
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 2  # CPU: interpreter
+    sms = sm_count(x.device) if x.is_cuda else 2  # CPU: Triton's interpreter
     programs = min(tiles, 4 * sms)
     per_prog = cdiv(tiles, programs)
     programs = cdiv(tiles, per_prog)

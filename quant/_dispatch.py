@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 
 from jetrl_trainer import kernels
+from jetrl_trainer.kernels.gemm import column_major
 from jetrl_trainer.quant._handoff import take_prequantized
 from jetrl_trainer.quant.fp8 import dequantize_fp8_groups, quantize_fp8_blocks, quantize_fp8_groups
 
@@ -49,11 +50,7 @@ def act_quant_fp8(x2d: torch.Tensor, scale_format: str = "fp32", *, mn_major_sca
     if fast is not None:
         return fast(x2d, scale_format=scale_format, mn_major_scales=mn_major_scales)
     q, s = quantize_fp8_groups(x2d.contiguous(), 128, scale_format=scale_format)
-    return q, _mn_major(s) if mn_major_scales else s
-
-
-def _mn_major(s: torch.Tensor) -> torch.Tensor:
-    return torch.empty_strided(s.shape, (1, max(s.shape[0], 1)), dtype=s.dtype, device=s.device).copy_(s)
+    return q, column_major(s) if mn_major_scales else s
 
 
 def decode_gemm_module(x2d: torch.Tensor, max_m: Optional[int] = None) -> Optional[ModuleType]:
@@ -124,7 +121,7 @@ def requant_transpose_fp8(
         pair = fast(q, s, scale_format=scale_format, mn_major_scales=mn_major_scales)
     else:
         qt, st = quantize_fp8_groups(dequantize_fp8_groups(q, s).t().contiguous(), 128, scale_format=scale_format)
-        pair = qt, _mn_major(st) if mn_major_scales else st
+        pair = qt, column_major(st) if mn_major_scales else st
     if memo is not None:
         # The entry dies with q (autograd frees it after the last layer that saved it), so q's storage is
         # never reused while the entry exists. The siblings' backwards run one after another, so the few
