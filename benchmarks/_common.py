@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["bench_ms", "bench_graph_ms", "copy_bandwidth_gbs", "environment", "dump", "kernels_by_kind", "profile_kernels", "tflops"]
+__all__ = ["TRAINING_KERNEL_KINDS", "bench_ms", "bench_graph_ms", "copy_bandwidth_gbs", "environment", "dump", "kernels_by_kind", "profile_kernels", "tflops"]
 
 
 def environment() -> dict:
@@ -94,6 +94,19 @@ def profile_kernels(step: Callable[[], object], steps: int, warmup: int = 1):
             step()
         torch.cuda.synchronize()
     return prof.key_averages()
+
+
+TRAINING_KERNEL_KINDS = (  # for kernels_by_kind on training steps: (kind, substrings of a kernel name), first match wins
+    ("fp8_quant", ("act_quant", "weight_quant", "quant_kernel")),
+    ("fp8_transpose", ("requant_transpose", "transpose_u8")),
+    ("fused_norm_swiglu", ("rmsnorm_quant", "swiglu_quant", "rmsnorm_backward")),
+    ("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")),
+    ("optimizer", ("multi_tensor", "adam", "foreach", "fused_")),
+    ("softmax", ("softmax", "log_softmax", "logsumexp", "cross_entropy", "nll")),
+    ("gemm", ("gemm", "sm90", "cutlass", "nvjet", "cublas", "xmma", "splitK")),
+    ("reduce", ("reduce",)),
+    ("elementwise", ("elementwise", "vectorized", "unrolled", "copy", "fill", "index", "cat", "where")),
+)
 
 
 def kernels_by_kind(step: Callable[[], object], steps: int, kinds: tuple, top: int = 25) -> dict:

@@ -28,7 +28,7 @@ import tempfile
 import time
 
 import torch
-from _common import dump, environment, kernels_by_kind
+from _common import TRAINING_KERNEL_KINDS, dump, environment, kernels_by_kind
 from datasets import Dataset
 
 from jetrl_trainer import JetGRPOConfig, JetGRPOTrainer
@@ -70,19 +70,6 @@ def micro_batch(args, vocab: int) -> dict:
     return {k: v.to(args.device) for k, v in batch.items()}
 
 
-ACTOR_KERNEL_KINDS = (  # (kind, substrings of a kernel name), first match wins
-    ("fp8_quant", ("act_quant", "weight_quant", "quant_kernel")),
-    ("fp8_transpose", ("requant_transpose", "transpose_u8")),
-    ("fused_norm_swiglu", ("rmsnorm_quant", "swiglu_quant", "rmsnorm_backward")),
-    ("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")),
-    ("optimizer", ("multi_tensor", "adam", "foreach", "fused_")),
-    ("softmax", ("softmax", "log_softmax", "logsumexp", "cross_entropy", "nll")),
-    ("gemm", ("gemm", "sm90", "cutlass", "nvjet", "cublas", "xmma", "splitK")),
-    ("reduce", ("reduce",)),
-    ("elementwise", ("elementwise", "vectorized", "unrolled", "copy", "fill", "index", "cat", "where")),
-)
-
-
 def measure(precision: str, args, tokenizer, captured: bool = False) -> dict:
     with tempfile.TemporaryDirectory() as out:
         trainer = build_trainer(precision, args, tokenizer, out)
@@ -119,7 +106,7 @@ def measure(precision: str, args, tokenizer, captured: bool = False) -> dict:
         row = dict(precision=precision, captured=captured, ms=round(1e3 * times[len(times) // 2], 2),
                    loss=float(loss.detach()), tokens=args.rows * (args.prompt + args.completion))  # fmt: skip
         if args.profile and args.device == "cuda":
-            row["kernels"] = kernels_by_kind(update, 2, ACTOR_KERNEL_KINDS, top=30)
+            row["kernels"] = kernels_by_kind(update, 2, TRAINING_KERNEL_KINDS, top=30)
         if args.device == "cuda":
             row["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         del trainer, model

@@ -18,7 +18,7 @@ import copy
 
 import torch
 
-from _common import bench_graph_ms, bench_ms, dump, environment, kernels_by_kind
+from _common import TRAINING_KERNEL_KINDS, bench_graph_ms, bench_ms, dump, environment, kernels_by_kind
 from jetrl_trainer.quant import QuantLinear, invalidate_weight_caches, quantize_model
 from jetrl_trainer.quant.fused import FusedRMSNorm
 
@@ -98,17 +98,6 @@ def run() -> dict:
     return result
 
 
-LAYER_KERNEL_KINDS = (  # (kind, substrings of a kernel name), first match wins
-    ("fp8_quant", ("act_quant", "weight_quant", "quant_kernel")),
-    ("fp8_transpose", ("requant_transpose", "transpose_u8")),
-    ("fused_norm_swiglu", ("rmsnorm_quant", "swiglu_quant", "rmsnorm_backward")),
-    ("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")),
-    ("gemm", ("gemm", "sm90", "cutlass", "nvjet", "cublas", "xmma", "splitK")),
-    ("reduce", ("reduce",)),
-    ("elementwise", ("elementwise", "vectorized", "unrolled", "copy", "fill", "index", "cat", "where")),
-)
-
-
 def run_profile(steps: int = 5) -> dict:
     """GPU time per layer step by kernel kind, BF16 against FP8 as shipped (torch.profiler, eager)."""
     torch.manual_seed(0)
@@ -118,7 +107,7 @@ def run_profile(steps: int = 5) -> dict:
     grad = torch.randn_like(hidden)
     variants = {"bf16": layer, "fp8": quantize_model(copy.deepcopy(layer))}
     return {"environment": environment(), "tokens": BATCH * SEQ,
-            "profile": {name: kernels_by_kind(_step(m, hidden, pos_emb, grad), steps, LAYER_KERNEL_KINDS, top=40)
+            "profile": {name: kernels_by_kind(_step(m, hidden, pos_emb, grad), steps, TRAINING_KERNEL_KINDS, top=40)
                         for name, m in variants.items()}}
 
 
