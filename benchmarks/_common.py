@@ -97,9 +97,9 @@ def profile_kernels(step: Callable[[], object], steps: int, warmup: int = 1):
 
 
 TRAINING_KERNEL_KINDS = (  # for kernels_by_kind on training steps: (kind, substrings of a kernel name), first match wins
-    ("fp8_quant", ("act_quant", "weight_quant", "quant_kernel")),
+    ("fused_norm_swiglu", ("rmsnorm_quant", "swiglu_quant", "rmsnorm_backward")),  # before fp8_quant's "quant_kernel"
     ("fp8_transpose", ("requant_transpose", "transpose_u8")),
-    ("fused_norm_swiglu", ("rmsnorm_quant", "swiglu_quant", "rmsnorm_backward")),
+    ("fp8_quant", ("act_quant", "weight_quant", "quant_kernel")),
     ("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")),
     ("optimizer", ("multi_tensor", "adam", "foreach", "fused_")),
     ("softmax", ("softmax", "log_softmax", "logsumexp", "cross_entropy", "nll")),

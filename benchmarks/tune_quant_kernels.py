@@ -2,9 +2,13 @@
 
 Prints, per kernel, the time of each configuration and the best one; the winners are written
 into ``LAUNCH`` by hand. Bandwidth is counted as in bench_quant_kernels.py.
+
+Usage: ``python tune_quant_kernels.py [NAME ...]`` (names of ``SWEEP`` and ``gemm``; all by default).
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 
@@ -18,12 +22,14 @@ SWEEP = {
     "act": [(16, 2, 4), (8, 4, 4), (4, 8, 4), (16, 4, 8), (32, 2, 8), (8, 2, 4)],
     "act_t": [(64, 1, 4), (32, 1, 4), (64, 1, 8), (32, 2, 4), (32, 1, 2)],
     "weight": [(8,), (16,), (32,)],
-    "requant_t": [(32, 4, False), (32, 4, True), (64, 4, True), (128, 8, True), (32, 2, True), (16, 2, False)],
+    "requant_t": [(32, 4, False, False), (32, 4, True, False), (64, 4, True, False), (128, 8, True, False),
+                  (32, 2, True, False), (16, 2, False, False), (32, 4, False, True), (64, 4, False, True),
+                  (64, 8, False, True), (128, 8, False, True), (16, 2, False, True)],
     "transpose": [(64, 256, 8), (128, 256, 8), (64, 512, 8), (32, 256, 4), (128, 128, 4)],
 }
 
 
-def run() -> dict:
+def run(names: list[str]) -> dict:
     torch.manual_seed(0)
     copy = copy_bandwidth_gbs()
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
@@ -40,6 +46,8 @@ def run() -> dict:
     }
     result = {"environment": environment(), "copy_GB/s": round(copy, 1)}
     for name, configs in SWEEP.items():
+        if names and name not in names:
+            continue
         fn, n_bytes = work[name]
         original = triton_quant.LAUNCH[name]
         timings = {}
@@ -53,7 +61,8 @@ def run() -> dict:
         triton_quant.LAUNCH[name] = original
         numeric = {k: v for k, v in timings.items() if isinstance(v, float)}
         result[name] = {"fraction_of_copy": timings, "best": max(numeric, key=numeric.get) if numeric else None}
-    result["triton_gemm_large"] = _tune_gemm()
+    if not names or "gemm" in names:
+        result["triton_gemm_large"] = _tune_gemm()
     return result
 
 
@@ -87,4 +96,7 @@ def _tune_gemm() -> dict:
 
 
 if __name__ == "__main__":
-    dump(run())
+    unknown = set(sys.argv[1:]) - set(SWEEP) - {"gemm"}
+    if unknown:
+        raise SystemExit(f"unknown sweep {sorted(unknown)}; choose from {sorted(SWEEP)} and gemm")
+    dump(run(sys.argv[1:]))
