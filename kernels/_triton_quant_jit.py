@@ -134,6 +134,7 @@ def weight_quant_kernel(
 def requant_transpose_kernel(
     q_ptr, s_ptr, qt_ptr, st_ptr, M, K, stride_qm, stride_sm, stride_qtk, stride_stk, stride_stg,
     GROUP: tl.constexpr, BLOCK_K: tl.constexpr, UE8M0: tl.constexpr, TRANS_F32: tl.constexpr,
+    PACK4: tl.constexpr = False,
 ):
     """q [M, K] fp8 (uint8 view) with s [M, ceil(K/GROUP)] -> qt [K, M], st [K, ceil(M/GROUP)]
     (st row-major, stride_stg == 1, or K-major, stride_stk == 1).
@@ -142,9 +143,24 @@ def requant_transpose_kernel(
     then re-quantizes it in GROUP x 1 groups along the tokens and writes it transposed.
     BLOCK_K divides GROUP, so each tile column reads one input scale per token. TRANS_F32 moves
     the FP32 tile through shared memory instead of the FP8 bytes (a tuning choice, same values).
+    PACK4 (M % 4 == 0, ``qt_ptr`` a uint32 view, ``stride_qtk`` in words) packs four consecutive
+    tokens' bytes into one 32-bit word before the transpose, so the shared-memory round trip moves
+    words instead of single bytes (same bits: the amax and the scale do not depend on the layout).
     """
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
+    if PACK4:
+        scale, cols = _requant_transpose_words(q_ptr, s_ptr, qt_ptr, M, K, stride_qm, stride_sm, stride_qtk, pid_m,
+                                               pid_k, GROUP, BLOCK_K, UE8M0)  # fmt: skip
+    else:
+        scale, cols = _requant_transpose_bytes(q_ptr, s_ptr, qt_ptr, M, K, stride_qm, stride_sm, stride_qtk, pid_m,
+                                               pid_k, GROUP, BLOCK_K, UE8M0, TRANS_F32)  # fmt: skip
+    tl.store(st_ptr + cols.to(tl.int64) * stride_stk + pid_m * stride_stg, scale, mask=cols < K)
+
+
+@triton.jit
+def _requant_transpose_bytes(q_ptr, s_ptr, qt_ptr, M, K, stride_qm, stride_sm, stride_qtk, pid_m, pid_k,
+                             GROUP: tl.constexpr, BLOCK_K: tl.constexpr, UE8M0: tl.constexpr, TRANS_F32: tl.constexpr):
     rows = pid_m * GROUP + tl.arange(0, GROUP)
     cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     mask = (rows[:, None] < M) & (cols[None, :] < K)
@@ -158,7 +174,32 @@ def requant_transpose_kernel(
     else:
         qt = tl.trans(_fp8_bits(x, scale[None, :]))
     tl.store(qt_ptr + cols[:, None].to(tl.int64) * stride_qtk + rows[None, :], qt, mask=tl.trans(mask))
-    tl.store(st_ptr + cols.to(tl.int64) * stride_stk + pid_m * stride_stg, scale, mask=cols < K)
+    return scale, cols
+
+
+@triton.jit
+def _requant_transpose_words(q_ptr, s_ptr, qt_ptr, M, K, stride_qm, stride_sm, stride_qtk, pid_m, pid_k,
+                             GROUP: tl.constexpr, BLOCK_K: tl.constexpr, UE8M0: tl.constexpr):
+    words = pid_m * (GROUP // 4) + tl.arange(0, GROUP // 4)  # one per 4 tokens
+    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    byte = tl.arange(0, 4)
+    rows = words[:, None, None] * 4 + byte[None, :, None]  # (GROUP/4, 4, 1)
+    mask = (rows < M) & (cols[None, None, :] < K)
+    bits = tl.load(q_ptr + rows.to(tl.int64) * stride_qm + cols[None, None, :], mask=mask, other=0)
+    s_in = tl.load(s_ptr + rows.to(tl.int64) * stride_sm + (pid_k * BLOCK_K) // GROUP, mask=rows < M, other=0.0)
+    x = tl.where(mask, bits.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s_in, 0.0)
+    scale = _scale_from_amax(tl.reduce(_amax(x, 1), 0, _max_nan), UE8M0)  # (BLOCK_K,)
+    q = _fp8_bits(x, scale[None, None, :]).to(tl.uint32) << (byte * 8)[None, :, None].to(tl.uint32)
+    packed = tl.reduce(q, 1, _bit_or)  # (GROUP/4, BLOCK_K): little-endian, token 4w in the low byte
+    word_mask = (cols[:, None] < K) & (words[None, :] < M // 4)
+    tl.store(qt_ptr + cols[:, None].to(tl.int64) * stride_qtk + words[None, :], tl.trans(packed).to(tl.int32, bitcast=True),
+             mask=word_mask)  # fmt: skip
+    return scale, cols
+
+
+@triton.jit
+def _bit_or(a, b):
+    return a | b
 
 
 @triton.jit

@@ -38,7 +38,7 @@ LAUNCH = {
     "act": (16, 2, 4),
     "act_t": (64, 1, 4),
     "weight": (16,),
-    "requant_t": (32, 4, False),  # BLOCK_K, warps, transpose the FP32 tile (not the FP8 bytes)
+    "requant_t": (32, 4, False, False),  # BLOCK_K, warps, transpose the FP32 tile (not the FP8 bytes), pack 4 tokens per word
     "transpose": (64, 256, 8),  # BLOCK_R, BLOCK_C, warps
 }
 
@@ -189,11 +189,13 @@ def _requant_transpose_op(
     st = scale_grid(k, cdiv(m, group), q.device, mn_major_scales)
     if m == 0 or k == 0:
         return qt, st
-    block_k, warps, trans_f32 = LAUNCH["requant_t"]
+    block_k, warps, trans_f32, pack4 = LAUNCH["requant_t"]
     block_k = min(group, block_k)  # (group x block_k) tile; the transpose goes through shared memory
+    pack4 = pack4 and m % 4 == 0 and group % 4 == 0  # qt's rows then hold whole 32-bit words
+    out, out_row = (qt.view(torch.int32), m // 4) if pack4 else (qt.view(torch.uint8), qt.stride(0))
     jit.requant_transpose_kernel[(cdiv(m, group), cdiv(k, block_k))](
-        q.view(torch.uint8), s, qt.view(torch.uint8), st, m, k, q.stride(0), s.stride(0), qt.stride(0), st.stride(0),
-        st.stride(1), GROUP=group, BLOCK_K=block_k, UE8M0=scale_format == "ue8m0", TRANS_F32=trans_f32, num_warps=warps,
+        q.view(torch.uint8), s, out, st, m, k, q.stride(0), s.stride(0), out_row, st.stride(0), st.stride(1),
+        GROUP=group, BLOCK_K=block_k, UE8M0=scale_format == "ue8m0", TRANS_F32=trans_f32, PACK4=pack4, num_warps=warps,
     )
     return qt, st
 

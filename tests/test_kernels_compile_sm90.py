@@ -102,6 +102,9 @@ QUANT_KERNELS = {  # kernel: (pointer types, constexprs, launch, FP32 scalars)
     "requant_transpose_kernel": (dict(q_ptr="*u8", s_ptr="*fp32", qt_ptr="*u8", st_ptr="*fp32"),
                                  dict(GROUP=128, BLOCK_K=32, UE8M0=False, TRANS_F32=False, stride_stg=1),
                                  dict(num_warps=4), ()),
+    "requant_transpose_kernel[PACK4]": (dict(q_ptr="*u8", s_ptr="*fp32", qt_ptr="*i32", st_ptr="*fp32"),
+                                        dict(GROUP=128, BLOCK_K=32, UE8M0=False, TRANS_F32=False, PACK4=True,
+                                             stride_stg=1), dict(num_warps=4), ()),
 }  # fmt: skip
 FUSED_KERNELS = {
     "rmsnorm_quant_kernel": (dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", q_ptr="*u8", s_ptr="*fp32"),
@@ -123,7 +126,7 @@ def test_quant_kernels_compile_to_the_saturating_cast_and_ieee_division(name):
     module = "_triton_quant_jit" if name in QUANT_KERNELS else "_triton_fused_jit"
     jit = importlib.import_module(f"jetrl_trainer.kernels.{module}")
     pointers, constexprs, launch, floats = {**QUANT_KERNELS, **FUSED_KERNELS}[name]
-    ptx = _compile(getattr(jit, name), pointers, constexprs, floats=floats, launch=launch)
+    ptx = _compile(getattr(jit, name.split("[")[0]), pointers, constexprs, floats=floats, launch=launch)
     assert _fp8_cast_and_division(ptx)
 
 

@@ -250,3 +250,21 @@ def test_requant_transpose_writes_mn_major_scales_with_the_same_bits():
     assert torch.equal(qt_mn.view(torch.uint8), qt_row.view(torch.uint8)) and torch.equal(st_mn, st_row)
     want = quantize_fp8_groups(dequantize_fp8_groups(q, s).t().contiguous(), 128)[1]
     assert torch.equal(st_row, want)
+
+
+@pytest.mark.parametrize("shape", [(300, 200), (256, 128), (4, 96), (132, 260)])
+def test_requant_transpose_packed_words_give_the_byte_paths_bits(monkeypatch, shape):
+    """PACK4 (four tokens per 32-bit word through the transpose) writes the bytes and scales of the byte
+    transpose, on ragged token and feature counts (M % 4 == 0; other M take the byte path)."""
+    from jetrl_trainer.kernels import triton_quant
+
+    g = torch.Generator().manual_seed(shape[0])
+    q, s = quantize_fp8_groups(torch.randn(*shape, generator=g) * 5, 128)
+    results = []
+    for pack in (False, True):
+        monkeypatch.setitem(triton_quant.LAUNCH, "requant_t", (32, 4, False, pack))
+        results.append(triton_quant._requant_transpose_op._init_fn(q, s, 128, "fp32", False))
+    (qt_b, st_b), (qt_p, st_p) = results
+    assert qt_p.shape == qt_b.shape == shape[::-1]
+    assert torch.equal(qt_p.view(torch.uint8), qt_b.view(torch.uint8)) and torch.equal(st_p, st_b)
+    assert qt_b.view(torch.uint8).any()  # not an all-zero agreement
