@@ -24,7 +24,7 @@ SWEEP = {
     "weight": [(8,), (16,), (32,)],
     "requant_t": [(32, 4, False, False), (32, 4, True, False), (64, 4, True, False), (128, 8, True, False),
                   (32, 2, True, False), (16, 2, False, False), (32, 4, False, True), (64, 4, False, True),
-                  (64, 8, False, True), (128, 8, False, True), (16, 2, False, True)],
+                  (64, 8, False, True), (128, 8, False, True), (32, 2, False, True), (16, 2, False, True)],
     "transpose": [(64, 256, 8), (128, 256, 8), (64, 512, 8), (32, 256, 4), (128, 128, 4)],
 }
 

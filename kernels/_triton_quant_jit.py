@@ -182,24 +182,30 @@ def _requant_transpose_words(q_ptr, s_ptr, qt_ptr, M, K, stride_qm, stride_sm, s
                              GROUP: tl.constexpr, BLOCK_K: tl.constexpr, UE8M0: tl.constexpr):
     words = pid_m * (GROUP // 4) + tl.arange(0, GROUP // 4)  # one per 4 tokens
     cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    byte = tl.arange(0, 4)
-    rows = words[:, None, None] * 4 + byte[None, :, None]  # (GROUP/4, 4, 1)
-    mask = (rows < M) & (cols[None, None, :] < K)
-    bits = tl.load(q_ptr + rows.to(tl.int64) * stride_qm + cols[None, None, :], mask=mask, other=0)
-    s_in = tl.load(s_ptr + rows.to(tl.int64) * stride_sm + (pid_k * BLOCK_K) // GROUP, mask=rows < M, other=0.0)
-    x = tl.where(mask, bits.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s_in, 0.0)
-    scale = _scale_from_amax(tl.reduce(_amax(x, 1), 0, _max_nan), UE8M0)  # (BLOCK_K,)
-    q = _fp8_bits(x, scale[None, None, :]).to(tl.uint32) << (byte * 8)[None, :, None].to(tl.uint32)
-    packed = tl.reduce(q, 1, _bit_or)  # (GROUP/4, BLOCK_K): little-endian, token 4w in the low byte
-    word_mask = (cols[:, None] < K) & (words[None, :] < M // 4)
+    # Four (GROUP/4 x BLOCK_K) loads, tokens 4w + b: same shape and pointer pattern, so the same register
+    # layout, and the four bytes of an output word meet in one thread with no shuffle.
+    x0 = _dequantized_rows(q_ptr, s_ptr, M, K, stride_qm, stride_sm, words * 4, cols, pid_k, GROUP, BLOCK_K)
+    x1 = _dequantized_rows(q_ptr, s_ptr, M, K, stride_qm, stride_sm, words * 4 + 1, cols, pid_k, GROUP, BLOCK_K)
+    x2 = _dequantized_rows(q_ptr, s_ptr, M, K, stride_qm, stride_sm, words * 4 + 2, cols, pid_k, GROUP, BLOCK_K)
+    x3 = _dequantized_rows(q_ptr, s_ptr, M, K, stride_qm, stride_sm, words * 4 + 3, cols, pid_k, GROUP, BLOCK_K)
+    a = _max_nan(_max_nan(tl.abs(x0), tl.abs(x1)), _max_nan(tl.abs(x2), tl.abs(x3)))  # in-thread, then one reduction
+    scale = _scale_from_amax(tl.reduce(a, 0, _max_nan), UE8M0)  # (BLOCK_K,): the max is the same in any order
+    packed = (_fp8_bits(x0, scale[None, :]).to(tl.uint32) | (_fp8_bits(x1, scale[None, :]).to(tl.uint32) << 8)
+              | (_fp8_bits(x2, scale[None, :]).to(tl.uint32) << 16) | (_fp8_bits(x3, scale[None, :]).to(tl.uint32) << 24))  # fmt: skip
+    word_mask = (cols[:, None] < K) & (words[None, :] < M // 4)  # little-endian: token 4w in the low byte
     tl.store(qt_ptr + cols[:, None].to(tl.int64) * stride_qtk + words[None, :], tl.trans(packed).to(tl.int32, bitcast=True),
              mask=word_mask)  # fmt: skip
     return scale, cols
 
 
 @triton.jit
-def _bit_or(a, b):
-    return a | b
+def _dequantized_rows(q_ptr, s_ptr, M, K, stride_qm, stride_sm, rows, cols, pid_k, GROUP: tl.constexpr,
+                      BLOCK_K: tl.constexpr):  # fmt: skip
+    """``q.float() * s`` of ``rows`` x ``cols`` (absent ones 0)."""
+    mask = (rows[:, None] < M) & (cols[None, :] < K)
+    bits = tl.load(q_ptr + rows[:, None].to(tl.int64) * stride_qm + cols[None, :], mask=mask, other=0)
+    s_in = tl.load(s_ptr + rows.to(tl.int64) * stride_sm + (pid_k * BLOCK_K) // GROUP, mask=rows < M, other=0.0)
+    return tl.where(mask, bits.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s_in[:, None], 0.0)
 
 
 @triton.jit
