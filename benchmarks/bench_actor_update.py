@@ -9,11 +9,11 @@ so ``lm_head`` and the log-softmax stay BF16/FP32 as the recipe keeps them). Eac
 ids and advantages), ``accelerator.backward`` and ``optimizer.step()`` + ``zero_grad``: the same calls
 ``Trainer.training_step`` makes, minus GRPO's ``_prepare_inputs``, which would generate.
 
-``--captured`` adds a second row per precision with the policy's backbone (the decoder layers, not
-the LM head and log-softmax, which TRL's fused head computes) under ``torch.compile``, after
-``kernels.resolve_dispatch``; the untimed warm-up steps include the compile. The trainer's
-``compile_policy_forward`` compiles the same backbone. ``--compile-mode reduce-overhead`` adds CUDA
-graphs (inductor's default keeps each custom op's host code per call: the FP8 quant launches too).
+``--captured`` adds a second row per precision built with the trainer's ``compile_policy_forward``
+(the decoder layers under ``torch.compile``, not the LM head and log-softmax, which TRL computes);
+the untimed warm-up steps include the compile. ``--compile-mode reduce-overhead`` (the trainer's
+``compile_mode``) adds CUDA graphs (inductor's default keeps each custom op's host code per call:
+the FP8 quant launches too).
 ``--profile`` adds the GPU time per kernel kind (the gap to the wall time is host time the GPU waited on).
 
 Usage: ``python benchmarks/bench_actor_update.py [--layers 12] [--rows 4] [--prompt 256] [--completion 1792]
@@ -39,7 +39,7 @@ def _reward(completions, **kwargs) -> list[float]:
     return [0.0] * len(completions)
 
 
-def build_trainer(precision: str, args, tokenizer, out: str) -> JetGRPOTrainer:
+def build_trainer(precision: str, args, tokenizer, out: str, captured: bool = False) -> JetGRPOTrainer:
     shape = dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
                  head_dim=128, vocab_size=151936, tie_word_embeddings=False) if args.shape == "8b" else {}  # fmt: skip
     model = build_tiny_qwen3(tokenizer, num_hidden_layers=args.layers, max_position_embeddings=4096, seed=0,
@@ -48,7 +48,8 @@ def build_trainer(precision: str, args, tokenizer, out: str) -> JetGRPOTrainer:
         output_dir=out, per_device_train_batch_size=args.rows, num_generations=args.rows,
         max_completion_length=args.completion, learning_rate=1e-6, report_to="none", save_strategy="no",
         bf16=args.device == "cuda", use_cpu=args.device == "cpu", gradient_checkpointing=False, disable_tqdm=True,
-        train_precision=precision, rollout_precision=precision, seed=0,
+        train_precision=precision, rollout_precision=precision, seed=0, compile_policy_forward=captured,
+        compile_backend=args.compile_backend, compile_mode=args.compile_mode,
     )  # fmt: skip
     prompts = Dataset.from_dict({"prompt": [[{"role": "user", "content": "1+1="}]] * args.rows})
     trainer = JetGRPOTrainer(model.to(args.device), _reward, args=config, train_dataset=prompts,
@@ -72,16 +73,11 @@ def micro_batch(args, vocab: int) -> dict:
 
 def measure(precision: str, args, tokenizer, captured: bool = False) -> dict:
     with tempfile.TemporaryDirectory() as out:
-        trainer = build_trainer(precision, args, tokenizer, out)
+        trainer = build_trainer(precision, args, tokenizer, out, captured)
         model, inputs = trainer.model, micro_batch(args, min(len(tokenizer), trainer.model.config.vocab_size))
         model.train()
-        if captured:
-            from jetrl_trainer.kernels import resolve_dispatch
-
-            resolve_dispatch(args.device)
-            backbone = model.model
-            backbone.forward = torch.compile(backbone.forward, backend=args.compile_backend, mode=args.compile_mode,
-                                             dynamic=False)  # fmt: skip
+        if captured and trainer.policy_scorer.compiled is None:
+            raise RuntimeError("compile_policy_forward fell back to eager (its reason is in the log above)")
 
         def update():
             loss = trainer.compute_loss(model, inputs, num_items_in_batch=inputs["num_items_in_batch"])

@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 import torch
 
 __all__ = [
+    "COMPILE_MODES",
     "FLOAT_DTYPES",
     "GRANULARITIES",
     "KV_CACHE_DTYPES",
@@ -34,6 +35,8 @@ __all__ = [
 
 PRECISIONS: tuple[str, ...] = ("bf16", "fp8", "nvfp4")  # recipe names, per phase
 PHASES: tuple[str, ...] = ("train", "rollout")
+# torch.compile modes for compile_policy_forward (None: torch's default)
+COMPILE_MODES: tuple = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 SCALE_FORMATS: tuple[str, ...] = ("fp32", "ue8m0")  # FP8 scales: any FP32, or powers of two
 NVFP4_BACKWARDS: tuple[str, ...] = ("dequantized", "high_precision")
 NVFP4_OUTERS: tuple[str, ...] = ("token", "tensor")  # NVFP4 outer scale: per row, or one per tensor

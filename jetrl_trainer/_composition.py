@@ -121,7 +121,8 @@ def _compiled_backbone(trainer: Any) -> CompiledBackbone | None:
     if reason is not None:
         logger.warning("compile_policy_forward: %s; the policy's forward runs eagerly.", reason)
         return None
-    return CompiledBackbone(trainer.model, length_multiple=args.compile_length_multiple, backend=args.compile_backend)
+    return CompiledBackbone(trainer.model, length_multiple=args.compile_length_multiple, backend=args.compile_backend,
+                            mode=args.compile_mode)  # fmt: skip
 
 
 def _sampling_config(trainer: Any) -> Any:

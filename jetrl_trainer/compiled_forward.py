@@ -4,7 +4,9 @@ The loss forward (and the old / reference log-probs in the train phase) runs the
 not the LM head: TRL computes the head and the log-softmax itself. Compiling those layers cuts the
 launches and elementwise work around each quantized linear (the FP8 quant ops are registered custom
 ops, so they stay single calls in the graph). On an H200 the compiled backbone made an 8B-shaped
-actor update 1.14x faster in BF16 and in FP8 alike (docs/benchmarks.md §9).
+actor update 1.14x faster in BF16 and in FP8 alike (docs/benchmarks.md §9). ``mode="reduce-overhead"``
+replays the compiled forward and backward as CUDA graphs (inductor's cudagraph trees); they read the
+parameters in place, so an optimizer step needs no re-capture.
 
 Only the scorer's train-phase forwards of the policy go through the compiled code: rollouts
 (``generate``, the engine's prefill) and rollout-phase rescoring call the module's own forward, so
@@ -48,13 +50,15 @@ def compile_unavailable_reason(model: nn.Module, gradient_checkpointing: bool) -
 class CompiledBackbone:
     """The policy's ``model.model`` compiled once, used only inside :meth:`active`."""
 
-    def __init__(self, model: nn.Module, *, length_multiple: int, backend: str = "inductor") -> None:
+    def __init__(self, model: nn.Module, *, length_multiple: int, backend: str = "inductor",
+                 mode: str | None = None) -> None:  # fmt: skip
         if length_multiple < 1:
             raise ValueError(f"length_multiple must be >= 1; got {length_multiple}.")
         self.base = _base_model(model)
         self.backbone: nn.Module = self.base.model
         self.length_multiple = length_multiple
         self.backend = backend
+        self.mode = mode
         self._compiled = None
 
     def applies_to(self, model: nn.Module) -> bool:
@@ -69,7 +73,12 @@ class CompiledBackbone:
 
             device = next(self.backbone.parameters()).device
             resolve_dispatch(device)  # dispatch caches filled now, not inside the trace
-            self._compiled = torch.compile(self.backbone.forward, backend=self.backend, dynamic=False)
+            compiled = torch.compile(self.backbone.forward, backend=self.backend, mode=self.mode, dynamic=False)
+            self._compiled = compiled
+        if self.mode == "reduce-overhead":
+            # A new CUDA-graph step per scorer call: the previous call's outputs are consumed (its backward
+            # has run), so their graph memory may be reused; the chunks of one call keep theirs.
+            torch.compiler.cudagraph_mark_step_begin()
         had, previous = "forward" in self.backbone.__dict__, self.backbone.__dict__.get("forward")
         self.backbone.forward = self._compiled
         try:

@@ -144,3 +144,63 @@ def _compare_compiled_and_eager(tmp_path) -> None:
     assert trainers[1].policy_scorer.compiled._compiled is not None
     assert torch.allclose(out[1][live], out[0][live], atol=1e-3, rtol=0)
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in trainers[1].model.parameters() if p.requires_grad)
+
+
+def test_config_checks_the_compile_mode(tmp_path):
+    assert make_args(tmp_path, compile_mode=" Reduce-Overhead ").compile_mode == "reduce-overhead"
+    assert make_args(tmp_path).compile_mode is None
+    with pytest.raises(ValueError, match="compile_mode must be one of"):
+        make_args(tmp_path, compile_policy_forward=True, compile_mode="fast")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_reduce_overhead_replays_read_the_updated_weights(tmp_path):
+    """``compile_mode="reduce-overhead"``: the compiled forward and backward run as CUDA graphs (none
+    skipped), their log-probs are eager's, and after an in-place weight update (what the optimizer
+    step does) the replayed graphs compute with the new weights."""
+    from torch._dynamo.utils import counters
+
+    from jetrl_trainer import kernels
+
+    if not kernels.triton_available():
+        pytest.skip("needs Triton")
+    import torch._inductor.config as inductor_config
+
+    counters.clear()
+    options = dict(compile_policy_forward=True, compile_length_multiple=16, compile_mode="reduce-overhead")
+    with inductor_config.patch(compile_threads=1):
+        trainers = [make_trainer(tmp_path / str(c), model=tiny_model().cuda(), train_precision="fp8",
+                                 rollout_precision="fp8", bf16=False, use_cpu=False, **(options if c else {}))
+                    for c in (False, True)]  # fmt: skip
+        ids, mask, T = (t.cuda() if torch.is_tensor(t) else t for t in _batch(trainers[0].model.config.vocab_size))
+        live = mask[:, -T:].bool()
+
+        def logps_both() -> list[torch.Tensor]:
+            out = []
+            for trainer in trainers:
+                trainer.model.zero_grad(set_to_none=True)
+                logps, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, T)
+                logps.masked_fill(~live, 0).sum().backward()
+                out.append(logps.detach()[live])
+            return out
+
+        trainers[1].model.load_state_dict(trainers[0].model.state_dict())
+        for _ in range(3):  # cudagraph trees: warm-up, record, then replay
+            before = logps_both()
+        assert torch.allclose(before[1], before[0], atol=1e-3, rtol=0)
+        g = torch.Generator(device="cuda").manual_seed(1)
+        with torch.no_grad():  # the same in-place update on both models
+            for (_, p), (_, q) in zip(trainers[0].model.named_parameters(), trainers[1].model.named_parameters()):
+                step = 0.05 * p.abs().mean() * torch.randn(p.shape, device="cuda", generator=g)
+                p.add_(step)
+                q.add_(step)
+        after = logps_both()
+    assert (after[0] - before[0]).abs().max() > 1e-2  # the update moved the log-probs
+    assert torch.allclose(after[1], after[0], atol=1e-3, rtol=0)  # and the replay followed it
+    assert trainers[1].policy_scorer.compiled.mode == "reduce-overhead"
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+    from torch._inductor.cudagraph_trees import get_manager  # internal: proves graphs were recorded
+
+    manager = get_manager(torch.cuda.current_device(), create_if_none_exists=False)
+    assert manager is not None and any(manager.roots.values())
