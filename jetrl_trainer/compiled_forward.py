@@ -73,8 +73,7 @@ class CompiledBackbone:
 
             device = next(self.backbone.parameters()).device
             resolve_dispatch(device)  # dispatch caches filled now, not inside the trace
-            compiled = torch.compile(self.backbone.forward, backend=self.backend, mode=self.mode, dynamic=False)
-            self._compiled = compiled
+            self._compiled = torch.compile(self.backbone.forward, backend=self.backend, mode=self.mode, dynamic=False)
         if self.mode == "reduce-overhead":
             # A new CUDA-graph step per scorer call: the previous call's outputs are consumed (its backward
             # has run), so their graph memory may be reused; the chunks of one call keep theirs.

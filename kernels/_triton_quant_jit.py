@@ -143,7 +143,7 @@ def requant_transpose_kernel(
     then re-quantizes it in GROUP x 1 groups along the tokens and writes it transposed.
     BLOCK_K divides GROUP, so each tile column reads one input scale per token. TRANS_F32 moves
     the FP32 tile through shared memory instead of the FP8 bytes (a tuning choice, same values).
-    PACK4 (M % 4 == 0, ``qt_ptr`` a uint32 view, ``stride_qtk`` in words) packs four consecutive
+    PACK4 (M % 4 == 0, ``qt_ptr`` a 32-bit view of qt, ``stride_qtk`` in words) packs four consecutive
     tokens' bytes into one 32-bit word before the transpose, so the shared-memory round trip moves
     words instead of single bytes (same bits: the amax and the scale do not depend on the layout).
     """
