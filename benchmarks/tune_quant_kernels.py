@@ -14,7 +14,7 @@ import torch
 
 from _common import bench_ms, copy_bandwidth_gbs, dump, environment
 from jetrl_trainer.kernels import act_quant_fp8, requant_transpose_fp8, transpose_fp8_blocks, weight_quant_fp8
-from jetrl_trainer.kernels import fp8_gemm_nt, triton_gemm, triton_quant
+from jetrl_trainer.kernels import cuda_requant_transpose, fp8_gemm_nt, triton_gemm, triton_quant
 
 M, K = 16384, 4096
 
@@ -59,6 +59,14 @@ def run(names: list[str]) -> dict:
             except Exception as exc:  # a config that does not compile
                 timings[str(cfg)] = f"{type(exc).__name__}"
         triton_quant.LAUNCH[name] = original
+        if name == "requant_t" and cuda_requant_transpose.kernel(torch.cuda.current_device()) is None:
+            timings["cuda"] = "unavailable (NVRTC; the log says why)"
+        elif name == "requant_t":  # beside the Triton launches: the hand-written CUDA kernel, same bytes
+            triton_quant.REQUANT_TRANSPOSE_CUDA = True
+            try:
+                timings["cuda"] = round(n_bytes / (bench_ms(fn, rep_ms=100) * 1e-3) / 1e9 / copy, 3)
+            finally:
+                triton_quant.REQUANT_TRANSPOSE_CUDA = False
         numeric = {k: v for k, v in timings.items() if isinstance(v, float)}
         result[name] = {"fraction_of_copy": timings, "best": max(numeric, key=numeric.get) if numeric else None}
     if not names or "gemm" in names:

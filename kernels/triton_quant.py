@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from . import cuda_requant_transpose
 from ._triton_support import call_op, cdiv, check_cuda_2d, check_group, check_scale_format, load_jit
 
 __all__ = ["act_quant_fp8", "out_layout_error", "requant_transpose_fp8", "transpose_fp8_blocks", "weight_quant_fp8"]
@@ -43,6 +44,9 @@ LAUNCH = {
     "requant_t": (32, 4, False, True),
     "transpose": (64, 256, 8),  # BLOCK_R, BLOCK_C, warps
 }
+# requant-transpose through the hand-written CUDA kernel (kernels/cuda_requant_transpose.py) where it takes
+# the shape; the Triton kernel otherwise. Off until its GPU bit test and timing have run on the H200.
+REQUANT_TRANSPOSE_CUDA = False
 
 
 def _unit_stride(x: torch.Tensor) -> torch.Tensor:
@@ -191,6 +195,9 @@ def _requant_transpose_op(
     st = scale_grid(k, cdiv(m, group), q.device, mn_major_scales)
     if m == 0 or k == 0:
         return qt, st
+    if REQUANT_TRANSPOSE_CUDA and cuda_requant_transpose.supports(q, s, group):
+        if cuda_requant_transpose.launch(q, s, qt, st, scale_format == "ue8m0"):
+            return qt, st
     block_k, warps, trans_f32, pack4 = LAUNCH["requant_t"]
     block_k = min(group, block_k)  # (group x block_k) tile; the transpose goes through shared memory
     pack4 = pack4 and m % 4 == 0 and group % 4 == 0  # qt's rows then hold whole 32-bit words

@@ -157,3 +157,24 @@ def test_the_other_kernels_compile():
     ptx = _compile(sampling.block_sums_fp64_kernel, dict(p_ptr="*fp32", out_ptr="*fp64"), dict(BLOCK=1024, PDL=False),
                    launch=dict(num_warps=4))  # fmt: skip
     assert "add.f64" in ptx or "add.rn.f64" in ptx
+
+
+def test_cuda_requant_transpose_compiles_for_sm90_without_spills(tmp_path):
+    """The CUDA requant-transpose source (compiled by NVRTC at run time) builds for sm_90 with nvcc, keeps
+    everything in registers (no local memory: its per-thread arrays are indexed by constants only) and
+    converts with the saturating RNE cast and the IEEE division, as the numerics contract asks."""
+    import shutil
+    import subprocess
+
+    from jetrl_trainer.kernels import cuda_requant_transpose
+
+    nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
+    if nvcc is None:
+        pytest.skip("needs nvcc")
+    source = tmp_path / "requant.cu"
+    source.write_text(cuda_requant_transpose.SOURCE)
+    ptx = tmp_path / "requant.ptx"
+    subprocess.run([nvcc, "-arch=sm_90", "-ptx", str(source), "-o", str(ptx)], check=True, capture_output=True)
+    text = ptx.read_text()
+    assert "cvt.rn.satfinite.e4m3x2.f32" in text and "div.rn.f32" in text
+    assert ".local" not in text and "ld.shared.u8" not in text  # words through shared memory, nothing spilled

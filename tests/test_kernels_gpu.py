@@ -147,14 +147,19 @@ def test_weight_quant_refuses_out_of_another_layout():
         transpose_fp8_blocks(q, s, out=(q.t(), s.t()))
 
 
-@pytest.mark.parametrize("pack4", (False, True), ids=("bytes", "words"))
+@pytest.mark.parametrize("variant", ("bytes", "words", "cuda"))
 @pytest.mark.parametrize("scale_format", FORMATS)
-@pytest.mark.parametrize("shape", ((1, 1), (5, 64), (128, 128), (300, 200), (257, 4096), (8192, 1024)))
-def test_requant_transpose_bit_exact(shape, scale_format, pack4, monkeypatch):
-    from jetrl_trainer.kernels import requant_transpose_fp8, triton_quant
+@pytest.mark.parametrize("shape", ((1, 1), (5, 64), (128, 128), (300, 200), (257, 4096), (8192, 1024), (264, 4096),
+                                   (1000, 4112)))  # fmt: skip
+def test_requant_transpose_bit_exact(shape, scale_format, variant, monkeypatch):
+    from jetrl_trainer.kernels import cuda_requant_transpose, requant_transpose_fp8, triton_quant
 
     block_k, warps, trans_f32, _ = triton_quant.LAUNCH["requant_t"]
-    monkeypatch.setitem(triton_quant.LAUNCH, "requant_t", (block_k, warps, trans_f32, pack4))  # words: M % 4 == 0
+    monkeypatch.setitem(triton_quant.LAUNCH, "requant_t", (block_k, warps, trans_f32, variant == "words"))  # M % 4 == 0
+    monkeypatch.setattr(triton_quant, "REQUANT_TRANSPOSE_CUDA", variant == "cuda")
+    if variant == "cuda":  # the CUDA kernel must really run where it takes the shape (M % 8, K % 16 == 0)
+        takes = shape[0] % 8 == 0 and shape[1] % 16 == 0
+        assert not takes or cuda_requant_transpose.kernel(torch.cuda.current_device()) is not None, "NVRTC compile failed"
     x = _activations(*shape, torch.bfloat16, seed=shape[0])
     q, s = quantize_fp8_groups(x, 128, scale_format=scale_format)
     qt, st = requant_transpose_fp8(q, s, scale_format=scale_format)
