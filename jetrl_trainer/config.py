@@ -160,8 +160,9 @@ class JetGRPOConfig(GRPOConfig):
         compile_backend (`str`, *optional*, defaults to `"inductor"`):
             With `compile_policy_forward`: the `torch.compile` backend.
         compile_mode (`str`, *optional*):
-            With `compile_policy_forward`: the `torch.compile` mode. `"reduce-overhead"` replays the compiled
-            forward and backward as CUDA graphs (no host time per launch); `None` is torch's default.
+            With `compile_policy_forward` (inductor backend): the `torch.compile` mode. `"reduce-overhead"`
+            replays the compiled forward and backward as CUDA graphs (no host time per launch); `None` is
+            torch's default.
         diffusion_steps (`int`, *optional*):
             Diffusion LMs (LLaDA) only: denoising steps per completion, a multiple of the number of
             blocks. `None` = `max_completion_length // 2` (two tokens per step, as d1).
@@ -364,8 +365,9 @@ class JetGRPOConfig(GRPOConfig):
     compile_mode: str | None = field(
         default=None,
         metadata={
-            "help": "compile_policy_forward only: the torch.compile mode. 'reduce-overhead' replays the compiled "
-            "forward and backward as CUDA graphs, so no host time per kernel launch is exposed (one graph set per "
+            "help": "compile_policy_forward with the inductor backend only: the torch.compile mode. "
+            "'reduce-overhead' replays the compiled forward and backward as CUDA graphs, so no host time per "
+            "kernel launch is exposed (one graph set per "
             "padded length; costs the graphs' memory pool and compile time). On an H200 it took an 8B-shaped FP8 "
             "actor update from 202 to 190 ms at 8 layers (docs/benchmarks.md §9). None is torch's default "
             "(inductor kernels, launched from Python each call)."
@@ -535,6 +537,11 @@ class JetGRPOConfig(GRPOConfig):
                 "'auto' (default), 'hf', 'continuous', 'engine' or, for LLaDA, 'diffusion'."
             )
         self.compile_mode = check_choice("compile_mode", self.compile_mode, COMPILE_MODES, normalize=True)
+        if self.compile_mode not in (None, "default") and self.compile_backend != "inductor":
+            raise ValueError(
+                f"compile_mode={self.compile_mode!r} is an inductor mode; compile_backend={self.compile_backend!r} "
+                "would ignore it (no CUDA graphs). Set compile_backend='inductor' or leave compile_mode unset."
+            )
         multiple = self.compile_length_multiple
         if isinstance(multiple, bool) or not isinstance(multiple, int) or multiple < 1:
             raise ValueError(f"compile_length_multiple must be a positive integer (e.g. 256); got {multiple!r}.")

@@ -151,6 +151,8 @@ def test_config_checks_the_compile_mode(tmp_path):
     assert make_args(tmp_path).compile_mode is None
     with pytest.raises(ValueError, match="compile_mode must be one of"):
         make_args(tmp_path, compile_policy_forward=True, compile_mode="fast")
+    with pytest.raises(ValueError, match="compile_backend='inductor'"):  # aot_eager would drop the mode silently
+        make_args(tmp_path, compile_policy_forward=True, compile_backend="aot_eager", compile_mode="reduce-overhead")
 
 
 @pytest.mark.gpu
