@@ -206,3 +206,21 @@ def test_reduce_overhead_replays_read_the_updated_weights(tmp_path):
 
     manager = get_manager(torch.cuda.current_device(), create_if_none_exists=False)
     assert manager is not None and any(manager.roots.values())
+
+
+def test_reduce_overhead_starts_one_graph_step_per_scorer_call(tmp_path, monkeypatch):
+    """Under ``reduce-overhead`` each scorer call (not each chunk of it) tells cudagraph trees that a new
+    step begins, so the graph memory of the previous call's outputs may be reused."""
+    trainer = make_trainer(tmp_path, **COMPILE)
+    compiled = trainer.policy_scorer.compiled
+    steps = []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: steps.append(1))
+    ids, mask, T = _batch(trainer.model.config.vocab_size)
+    trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, T, batch_size=1)  # 3 chunks
+    assert not steps  # torch's default mode: nothing to mark
+    compiled.mode = "reduce-overhead"  # (aot_eager ignores the mode itself; the marking is ours)
+    forwards, inner = [], compiled._compiled
+    compiled._compiled = lambda *a, **k: forwards.append(1) or inner(*a, **k)
+    trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, T, batch_size=1)
+    trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, T)
+    assert len(forwards) == 4 and len(steps) == 2  # 3 chunks + 1 forward, one step per call
