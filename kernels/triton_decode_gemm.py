@@ -42,7 +42,7 @@ from torch import Tensor
 
 from jetrl_trainer._choices import FLOAT_DTYPES, check_choice
 
-from ._triton_support import call_op, cdiv, check_scale_format, load_jit, pdl_launch, sm_count
+from ._triton_support import call_op, cdiv, check_scale_format, ensure_scratch_allocator, load_jit, pdl_launch, sm_count
 
 __all__ = [
     "DECODE_MAX_M", "PROLOGUE_MAX_M", "fp8_decode_gemm_grouped", "fp8_decode_gemm_nt", "fp8_decode_gemm_partials",
@@ -68,14 +68,38 @@ DECODE_MAX_M = 64
 # TMA: load the weight (and a prequantized activation) through tensor descriptors instead of pointers
 # (Hopper and newer; the same bits). Off: on the H200 it won only q/k/v at M = 16 (8.22 against 8.50 us)
 # and never made the top four at M = 64 (docs/benchmarks.md §7, run 37).
+# SCALE_AHEAD: 1 loads the activation / weight scales one K group ahead (the jit module's doc); the
+# same bits. 0 (loads in place) until the H200 has timed it (bench_decode_gemm.py --sweep).
+# WS: 1 warp-specializes the K loop where Triton 3.6 builds that for sm_90 (`ws_applies`; with TMA
+# loads, so TMA=1 too, from descriptors the kernel builds). 0 until the H200 has timed it.
+# FIT_WAVES: 1 picks the K split for one program per SM (what WS implies): the split count that
+# minimizes waves x groups per program (o_proj at M = 64: 2 splits, 128 programs in one wave of 16
+# groups, not 3 splits in two waves of 11); 0 plans WAVES co-resident programs per SM as above.
 LAUNCH = dict(BLOCK_N=64, WAVES=2, MIN_GROUPS_PER_SPLIT=4, SWAP_BELOW_M=64, num_warps=4, num_stages=3, MAX_BLOCK_M=64,
-              PREFETCH_GROUPS=2, TMA=0)  # fmt: skip
+              PREFETCH_GROUPS=2, TMA=0, SCALE_AHEAD=0, WS=0, FIT_WAVES=0)  # fmt: skip
 # Up to this M a QuantLinear quantizes the activation in the GEMM's prologue. 0: never. Every N tile
 # re-quantizes its K slice, so on the H200 the prologue was slower than one act-quant launch plus
 # the prequantized GEMM at every decode M measured (1 to 64, Qwen3-8B shapes); it stays available
 # (``fp8_decode_linear``, bit-identical) for GPUs or shapes where that differs.
 PROLOGUE_MAX_M = 0
 REDUCE_BLOCK = 1024
+
+
+def ws_applies(launch: dict, block_m: int, block_n: int, swap: bool) -> bool:
+    """Whether Triton 3.6 warp-specializes the K loop for sm_90 with these launch parameters: TMA loads,
+    4 warps, and tiles it was seen to build (offline sm_90 compiles, one to three weights): swapped
+    with 64 weight rows, or 64 activation rows with up to 128 weight rows. The caller also needs a
+    prequantized activation and no programmatic dependent launch (`_launch` checks those)."""
+    if not (launch["WS"] and launch["TMA"] and launch["num_warps"] == 4):
+        return False
+    return block_n == 64 and block_m <= 64 if swap else block_m == 64 and block_n <= 128
+
+
+def _waves_times_length(tiles: int, groups: int, splits: int, sms: int) -> int:
+    """The time of a launch of programs that each take a whole SM, in K groups: its waves times the
+    groups each program streams (``splits`` as asked; the plan rounds it to whole split lengths)."""
+    per_split = cdiv(groups, splits)
+    return cdiv(tiles * cdiv(groups, per_split), sms) * per_split
 
 
 def plan(m: int, n: int | Sequence[int], k: int, sms: int, launch: Optional[dict] = None) -> dict:
@@ -85,14 +109,21 @@ def plan(m: int, n: int | Sequence[int], k: int, sms: int, launch: Optional[dict
     block_m = max(16, min(launch["MAX_BLOCK_M"], 1 << (max(m, 1) - 1).bit_length()))  # one M tile up to 64 rows
     block_n = launch["BLOCK_N"]
     widths = [n] if isinstance(n, int) else list(n)
+    swap = block_m < launch["SWAP_BELOW_M"]
+    ws = ws_applies(launch, block_m, block_n, swap)
     tiles = sum(cdiv(w, block_n) for w in widths) * cdiv(m, block_m)
     groups = cdiv(k, 128)
-    splits = max(1, min(cdiv(groups, launch["MIN_GROUPS_PER_SPLIT"]), cdiv(launch["WAVES"] * sms, tiles)))
+    most = cdiv(groups, launch["MIN_GROUPS_PER_SPLIT"])
+    if ws or launch["FIT_WAVES"]:  # one program per SM: no co-resident program evens out a last wave
+        splits = min(range(1, most + 1), key=lambda s: _waves_times_length(tiles, groups, s, sms))
+    else:
+        splits = max(1, min(most, cdiv(launch["WAVES"] * sms, tiles)))
     per_split = cdiv(groups, splits)
     return dict(
         BLOCK_M=block_m, BLOCK_N=block_n, GROUPS_PER_SPLIT=per_split, SPLITS=cdiv(groups, per_split),
-        SWAP=block_m < launch["SWAP_BELOW_M"], num_warps=launch["num_warps"], num_stages=launch["num_stages"],
+        SWAP=swap, num_warps=launch["num_warps"], num_stages=launch["num_stages"],
         PREFETCH_GROUPS=min(launch["PREFETCH_GROUPS"], per_split), TMA=bool(launch["TMA"]),
+        SCALE_AHEAD=bool(launch["SCALE_AHEAD"]), WS=ws,
     )
 
 
@@ -133,6 +164,10 @@ def _launch(x: Tensor, x_s: Optional[Tensor], segments: list[tuple], scale_forma
     rest += [w_q, w_s, bias, out, 0] * (3 - len(args))
     total = sum(widths)
     cfg["TMA"] = cfg["TMA"] and tma_loads_apply(x if x_s is not None else None, [w for w, *_ in segments])
+    # Warp specialization needs the TMA loads and a prequantized activation, and does not build with PDL.
+    cfg["WS"] = cfg["WS"] and cfg["TMA"] and not quantize and not pdl["PDL"] and ensure_scratch_allocator()
+    if cfg["WS"]:  # the kernel builds its descriptors itself (in global scratch), none from the host
+        cfg["TMA"] = False
     descriptors = _descriptors(x, x_s, [w for w, *_ in segments], cfg) if cfg["TMA"] else [x, w_q, w_q, w_q]
     grid = (sum(cdiv(w, cfg["BLOCK_N"]) for w in widths), splits, cdiv(m, cfg["BLOCK_M"]))
     if partials is not None:

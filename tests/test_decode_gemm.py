@@ -43,6 +43,31 @@ def test_plan_keeps_splits_long_enough_to_stream():
     assert dg.plan(16, 4096, 12288, sms=132)["SPLITS"] == 5  # down: long K, the waves decide
 
 
+def test_warp_specialization_is_planned_only_where_triton_builds_it_and_fits_its_split_to_the_waves():
+    ws = dict(TMA=1, WS=1)
+    # o_proj at M = 64: specialized; one program per SM, so the split fits the waves: 64 tiles x 2 splits
+    # = 128 programs in one wave of 16 groups (3 splits: 192 programs, two waves of 11 groups)
+    cfg = dg.plan(64, 4096, 4096, sms=132, launch=ws)
+    assert cfg["WS"] and (cfg["SPLITS"], cfg["GROUPS_PER_SPLIT"]) == (2, 16)
+    assert dg.plan(64, 4096, 4096, sms=132)["SPLITS"] == 5  # two co-resident programs per SM without it
+    # q/k/v at M = 64: 96 tiles; 4 splits = 384 programs, three waves of 8 groups (2 splits: two of 16)
+    assert dg.plan(64, [4096, 1024, 1024], 4096, sms=132, launch=ws)["SPLITS"] == 4
+    assert dg.plan(64, [4096, 1024, 1024], 4096, sms=132, launch=dict(FIT_WAVES=1))["SPLITS"] == 4  # without WS too
+    for m, n, k in [(1, 4096, 4096), (33, 1024, 4096), (64, 4096, 12288), (64, [12288, 12288], 4096), (16, 200, 300)]:
+        cfg = dg.plan(m, n, k, sms=132, launch=dict(FIT_WAVES=1))
+        groups, per, splits = math.ceil(k / 128), cfg["GROUPS_PER_SPLIT"], cfg["SPLITS"]
+        assert per * splits >= groups > per * (splits - 1) and per >= min(4, groups)  # every group once; not too short
+    assert dg.plan(16, 4096, 12288, sms=132, launch=ws)["WS"]
+    assert dg.plan(64, [4096, 1024, 1024], 4096, sms=132, launch=ws)["WS"]  # grouped too (in-kernel descriptors)
+    assert not dg.plan(64, 4096, 4096, sms=132, launch=dict(WS=1))["WS"]  # needs the TMA loads
+    assert not dg.plan(64, 4096, 4096, sms=132, launch=dict(ws, num_warps=8))["WS"]
+    assert not dg.plan(128, 4096, 4096, sms=132, launch=dict(ws, MAX_BLOCK_M=128))["WS"]  # 128-row tiles do not build
+    assert dg.plan(64, 4096, 4096, sms=132, launch=dict(ws, BLOCK_N=128))["WS"]
+    assert dg.plan(64, 4096, 4096, sms=132, launch=dict(ws, SWAP_BELOW_M=128))["WS"]  # swapped, 64 weight rows
+    assert not dg.plan(16, 4096, 4096, sms=132, launch=dict(ws, BLOCK_N=128))["WS"]  # swapped, 128: does not build
+    assert not dg.plan(64, 4096, 4096, sms=132)["WS"]  # off by default
+
+
 def test_dispatch_steps_aside_off_cuda_and_when_a_backend_is_forced(monkeypatch):
     x = torch.randn(4, 256)
     w_q, w_s = quantize_fp8_blocks(torch.randn(128, 256))
@@ -87,7 +112,9 @@ def _reference(x, w_q, w_s, bias=None, scale_format="fp32"):
     return y + bias.double() if bias is not None else y
 
 
-LAUNCHES = [dict(), dict(SWAP_BELOW_M=0, BLOCK_N=128), dict(SWAP_BELOW_M=128, WAVES=4), dict(MIN_GROUPS_PER_SPLIT=1)]  # shipped, never / always swapped, short splits
+# shipped, never / always swapped, short splits, scales loaded a group ahead, warp-specialized
+LAUNCHES = [dict(), dict(SWAP_BELOW_M=0, BLOCK_N=128), dict(SWAP_BELOW_M=128, WAVES=4), dict(MIN_GROUPS_PER_SPLIT=1),
+            dict(SCALE_AHEAD=1), dict(TMA=1, WS=1)]  # fmt: skip
 
 
 @pytest.fixture(params=LAUNCHES, ids=lambda p: "-".join(f"{k}{v}" for k, v in p.items()))
@@ -245,15 +272,24 @@ def test_grouped_launch_computes_each_weight_and_is_deterministic(m, widths, k, 
         assert relative_error(out, single) < 1e-5  # the same operands; only the K split may differ
 
 
+# name: (the plain launch's overrides, the variant's). A warp-specialized launch fits its K split to
+# one program per SM, so its plain counterpart does too (the same split, hence the same summation order).
+VARIANTS = {"TMA": ({}, dict(TMA=1)), "SCALE_AHEAD": ({}, dict(SCALE_AHEAD=1)),
+            "WS": (dict(FIT_WAVES=1), dict(FIT_WAVES=1, TMA=1, WS=1))}  # fmt: skip
+
+
 @pytest.mark.gpu
 @CUDA
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("m, widths, k", GROUPS + [(m, [n], k) for m, n, k in SHAPES])
-def test_tma_loads_give_the_bits_of_pointer_loads(m, widths, k, monkeypatch):
-    """LAUNCH["TMA"]: weight and activation tiles through tensor descriptors, eagerly and replayed
-    in a CUDA graph on a fresh activation; operands TMA cannot address (rows not 16-byte aligned)
-    keep pointer loads."""
+def test_launch_variants_give_the_bits_of_the_plain_launch(m, widths, k, variant, monkeypatch):
+    """LAUNCH["TMA"]: weight and activation tiles through tensor descriptors; operands TMA cannot
+    address (rows not 16-byte aligned) keep pointer loads. LAUNCH["SCALE_AHEAD"]: the scales loaded
+    one K group early. LAUNCH["WS"] (with TMA): the K loop warp-specialized, its descriptors built in
+    the kernel, where `plan` allows it (the quantizing prologue runs unspecialized). Each eagerly and
+    replayed in a CUDA graph on a fresh activation."""
     _need_kernel()
-    if torch.cuda.get_device_capability()[0] < 9:
+    if variant in ("TMA", "WS") and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("TMA needs sm_90+")
     g = torch.Generator().manual_seed(m + k)
     x = (torch.randn(m, k, generator=g) * 3).to("cuda", torch.bfloat16)
@@ -268,9 +304,14 @@ def test_tma_loads_give_the_bits_of_pointer_loads(m, widths, k, monkeypatch):
         return [dg.fp8_decode_gemm_nt(x_q, x_s, *weights[0], out_dtype=torch.float32),
                 dg.fp8_decode_linear(x, *weights[0], out_dtype=torch.float32)]  # fmt: skip
 
+    plain, changed = VARIANTS[variant]
+    for key, value in plain.items():
+        monkeypatch.setitem(dg.LAUNCH, key, value)
     want = run()
-    monkeypatch.setitem(dg.LAUNCH, "TMA", 1)
-    assert dg.tma_loads_apply(x_q, [w for w, _ in weights]) == (k % 16 == 0)
+    for key, value in changed.items():
+        monkeypatch.setitem(dg.LAUNCH, key, value)
+    if variant == "TMA":
+        assert dg.tma_loads_apply(x_q, [w for w, _ in weights]) == (k % 16 == 0)
     for got, ref in zip(run(), want):
         assert torch.equal(got, ref)
     graph, outs = _captured(run)
@@ -278,7 +319,10 @@ def test_tma_loads_give_the_bits_of_pointer_loads(m, widths, k, monkeypatch):
     q, s = quantize_fp8_groups(fresh)
     x_q.copy_(q), x_s.copy_(s), x.copy_(fresh)
     graph.replay()
-    monkeypatch.setitem(dg.LAUNCH, "TMA", 0)
+    for key, value in plain.items():
+        monkeypatch.setitem(dg.LAUNCH, key, value)
+    for key in set(changed) - set(plain):
+        monkeypatch.setitem(dg.LAUNCH, key, 0)
     for got, ref in zip(outs, run()):
         assert torch.equal(got, ref)
 

@@ -59,31 +59,46 @@ def _gemm_pointers(tma: bool, block_m: int, block_n: int) -> dict[str, str]:
     return types
 
 
-@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("tma, scale_ahead", [(False, False), (True, False), (False, True)])
 @pytest.mark.parametrize("block_m, block_n, swap, segments", [(16, 64, True, 3), (64, 64, False, 1), (64, 128, False, 2)])
-def test_decode_gemm_compiles_with_wgmma_and_tma_where_asked(tma, block_m, block_n, swap, segments):
+def test_decode_gemm_compiles_with_wgmma_and_tma_where_asked(tma, scale_ahead, block_m, block_n, swap, segments):
     jit = importlib.import_module("jetrl_trainer.kernels._triton_decode_gemm_jit")
     constexprs = dict(GROUPS_PER_SPLIT=4, SPLITS=2, BLOCK_M=block_m, BLOCK_N=block_n, QUANTIZE=False, SWAP=swap,
                       HAS_BIAS=False, WRITE_Q=False, UE8M0=False, SEGMENTS=segments, PDL=False, PREFETCH_GROUPS=0,
-                      TMA=tma)  # fmt: skip
+                      TMA=tma, SCALE_AHEAD=scale_ahead, WS=False)  # fmt: skip
     ptx = _compile(jit.fp8_decode_gemm_kernel, _gemm_pointers(tma, block_m, block_n), constexprs,
                    launch=dict(num_warps=4, num_stages=3))  # fmt: skip
     assert "wgmma" in ptx
     assert ("cp.async.bulk.tensor" in ptx) == tma
+    # Pointer loads stay pipelined (asynchronous copies into shared memory): two scale look-aheads
+    # made Triton 3.6 load the tiles synchronously instead.
+    assert tma or "cp.async.cg.shared.global" in ptx
+    assert "setmaxnreg" not in ptx  # not warp-specialized
 
 
-@pytest.mark.parametrize("kv_fp8, quant, flash_order", [(False, False, False), (False, True, False), (True, False, True)])
-def test_decode_attention_compiles_with_a_pipelined_tile_loop(kv_fp8, quant, flash_order):
-    jit = importlib.import_module("jetrl_trainer.kernels._triton_decode_attention_jit")
-    kv = "*fp8e4nv" if kv_fp8 else "*bf16"
-    pointers = dict(q_ptr="*bf16", k_ptr=kv, v_ptr=kv, slots_ptr="*i64", lengths_ptr="*i64", pads_ptr="*i64",
-                    m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", ks_ptr="*fp32", vs_ptr="*fp32", out_ptr="*bf16",
-                    oq_ptr="*u8", os_ptr="*fp32")  # fmt: skip
-    constexprs = dict(GROUPS=4, G_PAD=16, D=128, BLOCK_N=128, PRECISION="tf32", KV_FP8=kv_fp8, FLASH_ORDER=flash_order,
-                      DIRECT=True, H=32, QUANT=quant, UE8M0=False, PDL=False, HAS_PADS=True, LOOP_STAGES=2)  # fmt: skip
-    ptx = _compile(jit.decode_attention_split_kernel, pointers, constexprs, floats=("scale", "scale_log2"),
-                   launch=dict(num_warps=4), odd=("tiles",))  # fmt: skip
-    assert "cp.async" in ptx  # the next tile's K/V loads are issued ahead (software pipelining)
+@pytest.mark.parametrize("scale_ahead", [0, 1])
+@pytest.mark.parametrize("tiles", [{}, dict(BLOCK_N=128), dict(SWAP_BELOW_M=128)])
+@pytest.mark.parametrize("m, widths, k", [(16, (4096,), 4096), (64, (4096,), 4096), (64, (4096,), 12288),
+                                          (33, (1024,), 4096), (64, (4096, 1024, 1024), 4096), (16, (12288, 12288), 4096)])
+def test_decode_gemm_is_warp_specialized_where_the_plan_asks(m, widths, k, tiles, scale_ahead):
+    """LAUNCH["WS"]: every launch `plan` marks for warp specialization builds as one for sm_90 (producer
+    and consumer warps with redistributed registers), one weight or a grouped launch (its segment
+    chosen by selects, its TMA descriptors built in the kernel), as a split (partial sums) or a direct
+    launch."""
+    from jetrl_trainer.kernels import triton_decode_gemm as dg
+
+    jit = importlib.import_module("jetrl_trainer.kernels._triton_decode_gemm_jit")
+    cfg = dg.plan(m, widths, k, sms=132, launch=dict(tiles, TMA=1, WS=1, SCALE_AHEAD=scale_ahead))
+    if not cfg["WS"]:
+        assert tiles.get("BLOCK_N") == 128 and cfg["SWAP"]  # the one tile here the plan leaves unspecialized
+        return
+    launch = dict(num_warps=cfg.pop("num_warps"), num_stages=cfg.pop("num_stages"))
+    cfg["TMA"] = False  # as _launch passes it: no host-built descriptors
+    constexprs = dict(cfg, QUANTIZE=False, HAS_BIAS=cfg["SPLITS"] == 1, WRITE_Q=False, UE8M0=False,
+                      SEGMENTS=len(widths), PDL=False, PREFETCH_GROUPS=0)  # fmt: skip
+    ptx = _compile(jit.fp8_decode_gemm_kernel, _gemm_pointers(False, cfg["BLOCK_M"], cfg["BLOCK_N"]), constexprs,
+                   launch=launch)  # fmt: skip
+    assert "setmaxnreg" in ptx and "wgmma" in ptx and "cp.async.bulk.tensor" in ptx and "tensormap" in ptx
 
 
 def _fp8_cast_and_division(ptx: str) -> bool:

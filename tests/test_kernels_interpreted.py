@@ -104,32 +104,54 @@ def _reference_gemm(x_q, x_s, w_q, w_s):
     return dequantize_fp8_groups(x_q, x_s).double() @ dequantize_fp8_blocks(w_q, w_s).double().t()
 
 
-GEMMS = [(5, [200], 400), (16, [256, 64, 64], 512), (33, [128, 192], 384), (64, [130], 256)]
+GEMMS = [(5, [200], 400), (16, [256, 64, 64], 512), (33, [128, 192], 384), (64, [130], 256), (16, [256, 64, 64], 2048)]
 
 
+@pytest.mark.parametrize("variant", ["TMA", "SCALE_AHEAD", "WS"])
 @pytest.mark.parametrize("m, widths, k", GEMMS)
-def test_decode_gemm_tma_loads_give_the_bits_of_pointer_loads(m, widths, k, monkeypatch):
+def test_decode_gemm_launch_variants_give_the_bits_of_the_plain_launch(m, widths, k, variant, monkeypatch):
     """LAUNCH["TMA"]: the same tiles through tensor descriptors (rows and groups past the operand read
-    as zeros); single and grouped launches, swapped (M < 64) and not, ragged M, N and K."""
+    as zeros). LAUNCH["SCALE_AHEAD"]: each K group's scales loaded one iteration early (the last
+    iteration's look-ahead past K reads nothing). LAUNCH["WS"] (with TMA): the interpreter runs the
+    loop unspecialized, so this checks the host side and the selects of a grouped launch, against a
+    plain launch with the same K split (FIT_WAVES).
+    Single and grouped launches, swapped (M < 64) and not, ragged M, N and K, with and without biases
+    (in a grouped launch each segment adds its own); for SCALE_AHEAD also the quantizing prologue."""
     from jetrl_trainer.kernels import triton_decode_gemm as dg
 
     monkeypatch.setattr(dg, "sm_count", lambda device: 132)  # the H200's: the launch plan of the GPU
     monkeypatch.setattr(dg, "tma_loads_apply", lambda x_q, weights: True)  # the CPU has no TMA to ask about
     g = torch.Generator().manual_seed(m)
-    x_q, x_s = (t.contiguous() for t in quantize_fp8_groups(torch.randn(m, k, generator=g) * 3))
+    x = torch.randn(m, k, generator=g) * 3
+    x_q, x_s = (t.contiguous() for t in quantize_fp8_groups(x))
     weights = [tuple(t.contiguous() for t in quantize_fp8_blocks(torch.randn(n, k, generator=g) * 0.05)) for n in widths]
+    biases = [torch.randn(n, generator=g) for n in widths]
+    plan = dg.plan(m, widths, k, 132)
+    assert plan["SPLITS"] > 1 or plan["GROUPS_PER_SPLIT"] > 1  # the look-ahead crosses a group boundary
 
-    def run(tma: int) -> list[torch.Tensor]:
-        monkeypatch.setitem(dg.LAUNCH, "TMA", tma)
+    def run(value: int) -> list[torch.Tensor]:
+        if variant == "WS":  # a warp-specialized launch fits its split to the waves: so does its plain counterpart
+            monkeypatch.setitem(dg.LAUNCH, "FIT_WAVES", 1)
+            monkeypatch.setitem(dg.LAUNCH, "TMA", value)
+        monkeypatch.setitem(dg.LAUNCH, variant, value)
         if len(weights) == 1:
-            return [dg._decode_linear_op._init_fn(x_q, x_s, *weights[0], None, "fp32", torch.float32, False)[0]]
+            outs = [dg._decode_linear_op._init_fn(x_q, x_s, *weights[0], None, "fp32", torch.float32, False)[0]]
+            if variant == "SCALE_AHEAD":  # the prologue quantizes x itself (no activation scales to load)
+                outs.append(dg._decode_linear_op._init_fn(x, None, *weights[0], None, "fp32", torch.float32, False)[0])
+            return outs
         w_qs, w_ss = [w for w, _ in weights], [s for _, s in weights]
-        return dg._decode_grouped_op._init_fn(x_q, x_s, w_qs, w_ss, [None] * len(weights), torch.float32)
+        return (dg._decode_grouped_op._init_fn(x_q, x_s, w_qs, w_ss, [None] * len(weights), torch.float32)
+                + dg._decode_grouped_op._init_fn(x_q, x_s, w_qs, w_ss, biases, torch.float32))  # fmt: skip
 
-    pointer, tma = run(0), run(1)
-    for (w_q, w_s), a, b in zip(weights, pointer, tma):
+    plain, variant_out = run(0), run(1)
+    for a, b in zip(plain, variant_out):
         assert torch.equal(a, b)
+    for (w_q, w_s), a in zip(weights, plain):
         assert torch.allclose(a.double(), _reference_gemm(x_q, x_s, w_q, w_s), atol=1e-4, rtol=1e-5)
+    if len(weights) > 1:  # each segment's own bias, added in FP32
+        for (w_q, w_s), bias, a in zip(weights, biases, plain[len(weights):]):
+            want = _reference_gemm(x_q, x_s, w_q, w_s) + bias.double()
+            assert torch.allclose(a.double(), want, atol=1e-4, rtol=1e-5)
 
 
 @pytest.mark.parametrize("vocab, block", [(1000, 128), (1024, 256), (151_936 // 64, 1024)])
@@ -268,3 +290,23 @@ def test_requant_transpose_packed_words_give_the_byte_paths_bits(monkeypatch, sh
     assert qt_p.shape == qt_b.shape == shape[::-1]
     assert torch.equal(qt_p.view(torch.uint8), qt_b.view(torch.uint8)) and torch.equal(st_p, st_b)
     assert qt_b.view(torch.uint8).any()  # not an all-zero agreement
+
+
+def test_scratch_allocator_is_given_to_triton_only_when_none_was_set():
+    """WS launches build TMA descriptors in global scratch: Triton gets a torch allocator, unless the user set one."""
+    import contextvars
+
+    from triton.runtime import _allocation
+
+    from jetrl_trainer.kernels import _triton_support
+
+    def run(preset):
+        _allocation.set_allocator(preset)
+        assert _triton_support.ensure_scratch_allocator()
+        return _allocation._allocator.get()
+
+    def mine(size, alignment, stream):
+        return torch.empty(size, dtype=torch.int8)
+
+    assert contextvars.copy_context().run(run, _allocation.NullAllocator()) is _triton_support._scratch_buffer
+    assert contextvars.copy_context().run(run, mine) is mine
