@@ -7,13 +7,16 @@ reports ratios; absolute numbers only make sense together with ``environment()``
 from __future__ import annotations
 
 import datetime
+import itertools
 import json
+import math
 import platform
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["TRAINING_KERNEL_KINDS", "bench_ms", "bench_graph_ms", "copy_bandwidth_gbs", "environment", "dump", "kernels_by_kind", "profile_kernels", "tflops"]
+__all__ = ["TRAINING_KERNEL_KINDS", "bench_ms", "bench_graph_ms", "cold_copies", "copy_bandwidth_gbs", "cycling", "environment",
+           "dump", "kernels_by_kind", "profile_kernels", "tflops"]
 
 
 def environment() -> dict:
@@ -80,6 +83,32 @@ def bench_graph_ms(fn: Callable[[], object], calls: int = 20, replays: int = 30)
         for _ in range(calls):
             fn()
     return bench_ms(graph.replay, rep_ms=100) / calls
+
+
+def cold_copies(
+    tensors: Sequence[torch.Tensor], cold: bool = True, l2_bytes: int | None = None, read_bytes: int | None = None
+) -> list[tuple]:
+    """``tensors`` and enough clones of them that the calls between two reads of one copy read three
+    times the L2 cache (``read_bytes``: what one call reads of them, all their bytes by default), or
+    just ``[tensors]`` when ``cold`` is False.
+
+    A decode step reads each layer's weights once between 7 GB of others, so they come from DRAM. A
+    benchmark that calls one projection back to back reads a weight that fits in L2 (50 MB on an
+    H200: Qwen3-8B's q/k/v in FP8 is 25 MB) from L2 from the second call on. Cycling the calls
+    through these copies (:func:`cycling`) keeps every read cold."""
+    tensors = tuple(tensors)
+    if not cold:
+        return [tensors]
+    l2 = l2_bytes if l2_bytes is not None else int(getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20))
+    size = max(1, read_bytes if read_bytes is not None else sum(t.numel() * t.element_size() for t in tensors))
+    return [tensors] + [tuple(t.clone() for t in tensors) for _ in range(math.ceil(3 * l2 / size) - 1)]
+
+
+def cycling(fn: Callable[..., object], operands: Sequence[tuple]) -> Callable[[], object]:
+    """A call of ``fn(*operands[i])`` with ``i`` advancing at each call: the calls a CUDA graph captures
+    (:func:`bench_graph_ms`) each read the next copy of :func:`cold_copies`."""
+    counter = itertools.count()
+    return lambda: fn(*operands[next(counter) % len(operands)])
 
 
 def profile_kernels(step: Callable[[], object], steps: int, warmup: int = 1):

@@ -13,7 +13,11 @@ Per shape and M (rows = live sequences at a decode step), in one process:
   to ``PROLOGUE_MAX_M``; the general path above ``DECODE_MAX_M``).
 
 Times are CUDA-graph replays of 20 back-to-back calls (launch gaps removed, as inside the engine's
-graphs). ``bw_frac`` = (weight bytes + activation in + output out) / time over the measured copy
+graphs). The calls cycle through copies of the weights that together pass three times the L2 cache
+(``_common.cold_copies``), so every call reads its weight from DRAM, as a decode step does; before
+2026-12-05 they read one weight, which for the weights that fit in L2 (q/k/v, q/o, k/v of the 8B
+shape in FP8; k/v in BF16) came from L2 after the first call. ``--warm`` times that way again.
+``bw_frac`` = (weight bytes + activation in + output out) / time over the measured copy
 bandwidth. ``--sweep`` also tries launch parameters for the decode kernel and prints the best.
 
 Usage: ``python benchmarks/bench_decode_gemm.py [--m 1,16,32,64,128] [--sweep]``
@@ -26,7 +30,7 @@ import itertools
 
 import torch
 import torch.nn.functional as F
-from _common import bench_graph_ms, copy_bandwidth_gbs, dump, environment
+from _common import bench_graph_ms, cold_copies, copy_bandwidth_gbs, cycling, dump, environment
 
 from jetrl_trainer import kernels
 from jetrl_trainer.kernels import fp8_gemm_nt
@@ -43,6 +47,8 @@ SHAPES = {  # name: (N, K) of Qwen3-8B (hidden 4096, 32/8 heads of 128, intermed
 
 # The engine's grouped launches (engine/projections.py): q/k/v and gate/up of Qwen3-8B, widths and K.
 GROUPED = {"q/k/v": ((4096, 1024, 1024), 4096), "gate/up pair": ((12288, 12288), 4096)}
+
+COLD = True  # weights read from DRAM at every call (cold_copies); --warm: one weight, L2-resident when it fits
 
 
 def _general(x, w_q, w_s):
@@ -67,15 +73,15 @@ def _time_into(row: dict, m: int, n: int, k: int, gbs: float, cases) -> None:
 def measure(m: int, n: int, k: int, gbs: float) -> dict:
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-    w_q, w_s = weight_quant_fp8(w)
+    bf16_copies, fp8_copies = cold_copies([w], COLD), cold_copies(weight_quant_fp8(w), COLD)
     x_q, x_s = act_quant_fp8(x)
-    row = dict(m=m, n=n, k=k)
+    row = dict(m=m, n=n, k=k, weight_copies=len(fp8_copies))
     _time_into(row, m, n, k, gbs, (
-        ("bf16", lambda: F.linear(x, w), 2 * n * k),
-        ("fp8_general", lambda: _general(x, w_q, w_s), n * k),
-        ("fp8_decode", lambda: dg.fp8_decode_linear(x, w_q, w_s), n * k),
-        ("fp8_decode_prequant", lambda: dg.fp8_decode_gemm_nt(x_q, x_s, w_q, w_s), n * k),
-        ("fp8_rollout", lambda: _rollout(x, w_q, w_s), n * k),
+        ("bf16", cycling(lambda w: F.linear(x, w), bf16_copies), 2 * n * k),
+        ("fp8_general", cycling(lambda w_q, w_s: _general(x, w_q, w_s), fp8_copies), n * k),
+        ("fp8_decode", cycling(lambda w_q, w_s: dg.fp8_decode_linear(x, w_q, w_s), fp8_copies), n * k),
+        ("fp8_decode_prequant", cycling(lambda w_q, w_s: dg.fp8_decode_gemm_nt(x_q, x_s, w_q, w_s), fp8_copies), n * k),
+        ("fp8_rollout", cycling(lambda w_q, w_s: _rollout(x, w_q, w_s), fp8_copies), n * k),
     ))
     row["decode_over_bf16"] = round(row["bf16_us"] / row["fp8_decode_us"], 2)
     row["decode_over_general"] = round(row["fp8_general_us"] / row["fp8_decode_us"], 2)
@@ -84,18 +90,24 @@ def measure(m: int, n: int, k: int, gbs: float) -> dict:
     return row
 
 
+def _pairs(flat: tuple) -> tuple:
+    """``(w_q0, w_s0, w_q1, w_s1, ...)`` -> ``((w_q0, w_s0), (w_q1, w_s1), ...)``."""
+    return tuple(zip(flat[::2], flat[1::2]))
+
+
 def measure_grouped(m: int, widths: tuple[int, ...], k: int, gbs: float) -> dict:
     """One grouped launch against the same projections as BF16 ``F.linear``s and as separate decode calls."""
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for n in widths]
-    wq = [weight_quant_fp8(w) for w in ws]
+    bf16_copies = cold_copies(ws, COLD)
+    fp8_copies = [_pairs(c) for c in cold_copies([t for w in ws for t in weight_quant_fp8(w)], COLD)]
     x_q, x_s = act_quant_fp8(x)
     n = sum(widths)
-    row = dict(m=m, widths=list(widths), k=k)
+    row = dict(m=m, widths=list(widths), k=k, weight_copies=len(fp8_copies))
     _time_into(row, m, n, k, gbs, (
-        ("bf16", lambda: [F.linear(x, w) for w in ws], 2 * n * k),
-        ("fp8_separate_prequant", lambda: [dg.fp8_decode_gemm_nt(x_q, x_s, *w) for w in wq], n * k),
-        ("fp8_grouped", lambda: dg.fp8_decode_gemm_grouped(x_q, x_s, wq), n * k),
+        ("bf16", cycling(lambda *ws: [F.linear(x, w) for w in ws], bf16_copies), 2 * n * k),
+        ("fp8_separate_prequant", cycling(lambda *wq: [dg.fp8_decode_gemm_nt(x_q, x_s, *w) for w in wq], fp8_copies), n * k),
+        ("fp8_grouped", cycling(lambda *wq: dg.fp8_decode_gemm_grouped(x_q, x_s, list(wq)), fp8_copies), n * k),
     ))
     row["grouped_over_bf16"] = round(row["bf16_us"] / row["fp8_grouped_us"], 2)
     row["grouped_over_separate"] = round(row["fp8_separate_prequant_us"] / row["fp8_grouped_us"], 2)
@@ -103,7 +115,7 @@ def measure_grouped(m: int, widths: tuple[int, ...], k: int, gbs: float) -> dict
 
 
 SWEEP_KEYS = ("BLOCK_N", "WAVES", "SWAP_BELOW_M", "num_warps", "num_stages", "MIN_GROUPS_PER_SPLIT", "MAX_BLOCK_M",
-              "PREFETCH_GROUPS", "PDL", "TMA")  # fmt: skip
+              "PREFETCH_GROUPS", "PDL", "TMA", "SCALE_AHEAD", "WS", "FIT_WAVES")  # fmt: skip
 # PDL is not a LAUNCH key: 1 runs the timed launches under kernels.programmatic_dependent_launch().
 
 
@@ -126,7 +138,7 @@ def sweep(ms: list[int], gbs: float, grouped: bool = False, grid_override: dict 
     shipped_launch = dict(dg.LAUNCH)
     base = dict(shipped_launch, PDL=0)
     keys = SWEEP_KEYS
-    shipped = (base["MAX_BLOCK_M"],), (base["PREFETCH_GROUPS"],), (0,), (base["TMA"],)
+    shipped = (base["MAX_BLOCK_M"],), (base["PREFETCH_GROUPS"],), (0,), (base["TMA"],), (base["SCALE_AHEAD"],), (base["WS"],), (base["FIT_WAVES"],)
     axes = dict(zip(keys, ((64, 128), (1, 2, 4), (0, 128), (4,), (3, 4), (1, 4), *shipped)))
     if grouped:  # always swapped (the shipped choice below 64 rows); split lengths around the shipped 4
         axes = dict(zip(keys, ((64, 128), (1, 2, 4), (128,), (4,), (3, 4), (2, 4, 8), *shipped)))
@@ -141,11 +153,12 @@ def sweep(ms: list[int], gbs: float, grouped: bool = False, grid_override: dict 
     for (name, (widths, k)), m in itertools.product(cases.items(), ms):
         n = sum(widths)
         x_q, x_s = act_quant_fp8(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
-        wq = [weight_quant_fp8(torch.randn(w, k, device="cuda", dtype=torch.bfloat16) * 0.02) for w in widths]
-        if len(wq) > 1:
-            call = lambda: dg.fp8_decode_gemm_grouped(x_q, x_s, wq)  # noqa: E731
+        flat = [t for w in widths for t in weight_quant_fp8(torch.randn(w, k, device="cuda", dtype=torch.bfloat16) * 0.02)]
+        copies = [_pairs(c) for c in cold_copies(flat, COLD)]
+        if len(widths) > 1:
+            call = cycling(lambda *wq: dg.fp8_decode_gemm_grouped(x_q, x_s, list(wq)), copies)
         else:
-            call = lambda: dg.fp8_decode_gemm_nt(x_q, x_s, *wq[0])  # noqa: E731
+            call = cycling(lambda wq: dg.fp8_decode_gemm_nt(x_q, x_s, *wq), copies)
         results = []
         for values in grid:
             launch = dict(zip(keys, values))
@@ -178,25 +191,25 @@ def measure_epilogue(m: int, n: int, k: int, warps: tuple[int, ...]) -> dict:
     from jetrl_trainer.kernels import triton_norm
 
     x_q, x_s = act_quant_fp8(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
-    w_q, w_s = weight_quant_fp8(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02)
+    copies = cold_copies(weight_quant_fp8(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02), COLD)
     h = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
     norm_w = torch.ones(n, device="cuda", dtype=torch.bfloat16)
 
-    def separate():
+    def separate(w_q, w_s):
         y = dg.fp8_decode_gemm_nt(x_q, x_s, w_q, w_s)
         return triton_norm.rmsnorm_quant_fp8(h + y, norm_w, 1e-6)
 
-    def fused():
+    def fused(w_q, w_s):
         return triton_norm.add_rmsnorm_quant_fp8(h, dg.fp8_decode_gemm_partials(x_q, x_s, w_q, w_s), norm_w, 1e-6)
 
     row = dict(m=m, n=n, k=k, splits=dg.plan(m, n, k, torch.cuda.get_device_properties(0).multi_processor_count)["SPLITS"],
-               separate_us=round(bench_graph_ms(separate) * 1e3, 2), gemm_alone_us=round(bench_graph_ms(
-                   lambda: dg.fp8_decode_gemm_partials(x_q, x_s, w_q, w_s)) * 1e3, 2))  # fmt: skip
+               separate_us=round(bench_graph_ms(cycling(separate, copies)) * 1e3, 2), gemm_alone_us=round(bench_graph_ms(
+                   cycling(lambda w_q, w_s: dg.fp8_decode_gemm_partials(x_q, x_s, w_q, w_s), copies)) * 1e3, 2))  # fmt: skip
     saved = triton_norm.ADD_NORM_WARPS
     try:
         for w in warps:
             triton_norm.ADD_NORM_WARPS = w or None
-            row[f"fused_warps{w or 'default'}_us"] = round(bench_graph_ms(fused) * 1e3, 2)
+            row[f"fused_warps{w or 'default'}_us"] = round(bench_graph_ms(cycling(fused, copies)) * 1e3, 2)
     finally:
         triton_norm.ADD_NORM_WARPS = saved
     return row
@@ -220,7 +233,12 @@ def main() -> None:
                     help="only the o / down projections with their epilogue: separate launches against the "
                          "split sums reduced in the fused residual add + RMSNorm, per warp count (--warps)")  # fmt: skip
     ap.add_argument("--warps", default="0,4,16", help="with --epilogue: warp counts (0: the shipped default)")
+    ap.add_argument("--warm", action="store_true",
+                    help="call one weight back to back (read from L2 where it fits), as before 2026-12-05, instead "
+                         "of cycling through copies that pass the L2 cache")  # fmt: skip
     args = ap.parse_args()
+    global COLD
+    COLD = not args.warm
     if args.epilogue:
         warps = tuple(int(w) for w in args.warps.split(","))
         cases = {"o": (4096, 4096), "down": (4096, 12288)}
@@ -228,7 +246,7 @@ def main() -> None:
                 for name, (n, k) in cases.items() for m in (int(v) for v in args.m.split(","))]  # fmt: skip
         for row in rows:
             print(row, flush=True)
-        dump(dict(benchmark="decode_epilogue", env=environment(), rows=rows))
+        dump(dict(benchmark="decode_epilogue", env=environment(), cold=COLD, rows=rows))
         return
     if args.min_groups:
         dg.LAUNCH["MIN_GROUPS_PER_SPLIT"] = args.min_groups
@@ -247,7 +265,8 @@ def main() -> None:
         for (name, (n, k)), m in itertools.product(SHAPES.items(), ms):
             rows.append(dict(shape=name, **measure(m, n, k, gbs)))
             print(rows[-1], flush=True)
-    result = dict(benchmark="decode_gemm", env=environment(), copy_gbs=round(gbs, 1), launch=dict(dg.LAUNCH), rows=rows)
+    result = dict(benchmark="decode_gemm", env=environment(), copy_gbs=round(gbs, 1), launch=dict(dg.LAUNCH), cold=COLD,
+                  rows=rows)
     if args.sweep:
         sweep_ms = [int(v) for v in args.sweep_m.split(",") if int(v) in ms]
         result["sweep"] = sweep(sweep_ms, gbs, grouped=args.grouped, grid_override=parse_grid(args.sweep_grid))

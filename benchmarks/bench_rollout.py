@@ -10,7 +10,9 @@ slot takes the next waiting sequence (how a rollout larger than the KV budget ru
 
 Reported per run: tok/s of generated tokens, ms per decode step, the fraction of the bandwidth
 floor (weights + live KV read per step over the measured copy bandwidth), peak memory, and for the
-FP8 engine the unified-flow mismatch (recorded log-probs vs the FP8 training-phase forward).
+FP8 engine the unified-flow mismatch (recorded log-probs vs the FP8 training-phase forward). The
+fixed-length cases also time the engine as training runs it with ``rollout_keep_engine_state``
+("engine_kept": the cache and CUDA graphs kept from a rollout before, so no capture in the timing).
 
 Usage: ``python benchmarks/bench_rollout.py [--layers 36] [--batches 64,256] [--new 256] [--skip-hf]``
 """
@@ -53,11 +55,15 @@ def build_model(layers: int) -> Qwen3ForCausalLM:
 
 
 def weight_bytes(model, fp8: bool) -> int:
+    """Parameter bytes a decode step reads: every linear (FP8 + its block scales, or BF16), the LM head
+    and the norms. Not the embedding table: a step gathers one row per sequence from it. (Until
+    2026-12-05 the table was counted, 1.24 GB on the 8B shape, which put the floor 0.29 ms per step too
+    high; docs/benchmarks.md §7 gives the corrected fractions.)"""
     total = 0
     for m in model.modules():
         if isinstance(m, QuantLinear):
             total += m.weight.numel() * (1 if fp8 else 2) + (m.weight.numel() // (128 * 128) * 4 if fp8 else 0)
-        elif isinstance(m, (torch.nn.Embedding, torch.nn.Linear)) or "Norm" in type(m).__name__:
+        elif isinstance(m, torch.nn.Linear) or "Norm" in type(m).__name__:
             total += sum(p.numel() * p.element_size() for p in m.parameters(recurse=False))
     return total
 
@@ -204,10 +210,13 @@ def warm_up(model, ps, config, batch: int, kv_cache_dtype: str) -> None:
 
 
 def run_case(
-    model, batch: int, new: int, gbs: float, skip_hf: bool, variable: bool, kv_fp8: bool = False, refill: int = 1
+    model, batch: int, new: int, gbs: float, skip_hf: bool, variable: bool, kv_fp8: bool = False, refill: int = 1,
+    kept_state: bool = False,
 ) -> list[dict]:
     """``refill > 1``: ``refill * batch`` sequences through ``batch`` slots (a finished row's slot
-    takes the next waiting sequence), as a rollout larger than the KV budget runs."""
+    takes the next waiting sequence), as a rollout larger than the KV budget runs. ``kept_state``: the
+    engine also times a rollout on the cache and CUDA graphs kept from the rollout before (backend
+    "engine_kept"), what training runs with ``rollout_keep_engine_state``."""
     sequences = batch * refill
     ps = prompts(sequences)
     config = GenerationConfig(max_new_tokens=new, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
@@ -220,23 +229,29 @@ def run_case(
     results = []
     with_hf = not (skip_hf or variable or refill > 1)
     runs = [("engine", "bf16"), ("engine", "fp8")] + ([("hf", "bf16"), ("hf", "fp8")] if with_hf else [])
+    runs += [("engine_kept", "bf16"), ("engine_kept", "fp8")] if kept_state else []
     runs += [("engine", "fp8", "fp8")] if kv_fp8 else []  # + an FP8 KV cache
     for backend, precision, *kv in runs:
         phase = "rollout" if precision == "fp8" else "train"
         with torch.no_grad(), precision_phase(phase):
-            if backend == "engine":
-                engine = new_engine(model, kv_cache_dtype=kv[0] if kv else "auto", max_batch_size=batch)
+            if backend.startswith("engine"):
+                kept = backend == "engine_kept"
+                engine = new_engine(model, kv_cache_dtype=kv[0] if kv else "auto", max_batch_size=batch, keep_state=kept)
                 fn = lambda: engine.generate(ps, config, eos_token_ids=[-1], seed=0, row_budgets=budgets)  # noqa: E731
                 warm_up(model, ps, config, batch, kv[0] if kv else "auto")
+                if kept:
+                    fn()  # allocates the cache and captures the graphs; the timed rollout reuses them
             else:
                 fn = lambda: generate_with_logprobs(model, ps, config, pad_token_id=0, eos_token_ids=[-1])  # noqa: E731
             (ids, lps), seconds, peak = timed(fn)
+            if backend == "engine_kept":
+                engine.release_state()
         row = dict(case=("variable" if variable else "fixed") + (f"_refill{refill}" if refill > 1 else ""),
                    backend=backend, precision=precision, batch=batch, sequences=sequences,
                    kv_cache="fp8" if kv else "model dtype",
                    new_tokens=new, generated_tokens=generated, seconds=round(seconds, 3),
                    tok_per_s=round(generated / seconds, 1), peak_gib=round(peak, 2))  # fmt: skip
-        if backend == "engine":
+        if backend.startswith("engine"):
             row["engine_stats"] = {k: round(v, 4) if isinstance(v, float) else v for k, v in engine.last_stats.items()}
         if not variable and refill == 1:
             row["ms_per_step"] = round(1e3 * seconds / new, 3)
@@ -249,7 +264,8 @@ def run_case(
 
 
 _KERNEL_KINDS = (  # (kind, substrings of a kernel name), first match wins
-    ("decode_gemm", ("fp8_decode_gemm", "splitk_reduce")),
+    ("splitk_reduce", ("splitk_reduce",)),  # the decode GEMM's second launch (q/k/v when K is split)
+    ("decode_gemm", ("fp8_decode_gemm",)),
     ("attention", ("decode_attention",)),
     ("add_norm_quant", ("add_rmsnorm",)),  # residual add (+ split-K sums) + RMSNorm + quant
     ("fp8_quant", ("act_quant", "quant_kernel")),
@@ -380,6 +396,8 @@ def main() -> None:
         if key not in dg.LAUNCH:
             raise SystemExit(f"--launch: {key!r} is not one of {', '.join(dg.LAUNCH)}")
         dg.LAUNCH[key] = int(value)
+    if dg.LAUNCH["WS"] and not dg.LAUNCH["TMA"]:
+        raise SystemExit("--launch: WS=1 warp-specializes the TMA loads; give TMA=1 too.")
     gbs = copy_bandwidth_gbs()
     model = build_model(args.layers)
     if args.profile_only:
@@ -412,7 +430,7 @@ def main() -> None:
         return
     rows = []
     for batch in map(int, args.batches.split(",")):
-        rows += run_case(model, batch, args.new, gbs, args.skip_hf, variable=False)
+        rows += run_case(model, batch, args.new, gbs, args.skip_hf, variable=False, kept_state=True)
     rows += run_case(model, first, args.new, gbs, True, variable=True)
     rows += run_case(model, first, args.new, gbs, True, variable=True, refill=args.refill)
     profile = {f"b{b}": profile_step(model, b, args.new) for b in map(int, args.batches.split(","))}
@@ -426,6 +444,9 @@ def main() -> None:
             summary[f"b{batch}_engine_fp8_over_bf16"] = round(e8["tok_per_s"] / e16["tok_per_s"], 3)
         if e16 and h16:
             summary[f"b{batch}_engine_bf16_over_hf_bf16"] = round(e16["tok_per_s"] / h16["tok_per_s"], 2)
+        k16, k8 = by.get(("fixed", "engine_kept", "bf16", batch)), by.get(("fixed", "engine_kept", "fp8", batch))
+        if k16 and k8:
+            summary[f"b{batch}_engine_kept_fp8_over_bf16"] = round(k8["tok_per_s"] / k16["tok_per_s"], 3)
     dump(dict(benchmark="rollout", env=environment(), copy_gbs=round(gbs, 1), layers=args.layers, rows=rows,
               summary=summary, step_profile=profile))  # fmt: skip
 
