@@ -133,7 +133,7 @@ def fp8_decode_gemm_kernel(
     QUANTIZE: tl.constexpr, SWAP: tl.constexpr, HAS_BIAS: tl.constexpr,
     WRITE_Q: tl.constexpr, UE8M0: tl.constexpr, SEGMENTS: tl.constexpr,
     PDL: tl.constexpr = False, PREFETCH_GROUPS: tl.constexpr = 0, TMA: tl.constexpr = False,
-    SCALE_AHEAD: tl.constexpr = 0, WS: tl.constexpr = False,
+    SCALE_AHEAD: tl.constexpr = 0, WS: tl.constexpr = False, PARTIALS: tl.constexpr = False,
 ):
     """``SEGMENTS`` > 1: one launch for two or three weights that share the activation (q/k/v,
     gate/up). Segment ``s`` (weight ``[N_s, K]`` contiguous, output ``[M, N_s]`` contiguous) owns
@@ -143,7 +143,10 @@ def fp8_decode_gemm_kernel(
     ``TMA``: the weight tiles, and a prequantized activation's, come through host-built tensor
     descriptors (``w_desc`` etc., blocks ``[BLOCK_N, 128]`` and ``[BLOCK_M, 128]``) instead of
     pointer loads. The tiles hold the same values (out-of-range rows and columns read as zeros,
-    which only reach outputs that are not stored), so the result has the same bits."""
+    which only reach outputs that are not stored), so the result has the same bits.
+
+    ``PARTIALS``: a one-split launch also writes its FP32 sums (no bias) into the partials layout
+    ``[1, M, N_0 + N_1 + N_2]``, for a consumer that reduces a grouped launch's output itself."""
     # N tiles fastest, M tiles slowest: M tiles fastest (programs sharing a weight tile side by side)
     # made the batch-64 decode step's GEMMs 2.74 -> 3.23 ms on the H200 (run 22), one M tile or not.
     pid_n = tl.program_id(0)
@@ -223,7 +226,7 @@ def fp8_decode_gemm_kernel(
         acc = tl.trans(acc)  # (BLOCK_M, BLOCK_N)
     out_mask = m_ok[:, None] & (offs_n[None, :] < N)
     tile = offs_m[:, None].to(tl.int64) * n_total + col0 + offs_n[None, :]  # index into one [M, N] partial
-    if SPLITS > 1:
+    if SPLITS > 1 or PARTIALS:
         tl.store(part_ptr + pid_k.to(tl.int64) * M * n_total + tile, acc, mask=out_mask)
         return
     if HAS_BIAS:  # added to the FP32 result, then rounded once (QuantLinear's contract)

@@ -17,13 +17,28 @@ from jetrl_trainer.kernels._triton_quant_jit import _amax, _fp8_bits, _scale_fro
 
 
 @triton.jit
-def _rotate(x_ptr, cos, sin, d, HALF: tl.constexpr, norm_w_ptr, eps, NORM: tl.constexpr, LEVELS: tl.constexpr):
-    """RoPE of one head vector; with ``NORM``, of its RMSNorm (``rmsnorm_reference`` bits, as
+def _head(x_ptr, d, bias_ptr, part_stride, dtype: tl.constexpr, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Elements ``d`` of one head vector in the model ``dtype``: loaded (``SPLITS`` = 0), or a grouped
+    decode GEMM's FP32 partial sums (``part_stride`` apart) added in split order, plus the bias, and
+    rounded once: what ``splitk_reduce_kernel`` stores, so the same bits."""
+    if SPLITS == 0:
+        return tl.load(x_ptr + d)
+    acc = tl.load(x_ptr + d)
+    for s in tl.static_range(1, SPLITS):
+        acc += tl.load(x_ptr + s * part_stride + d)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + d).to(tl.float32)
+    return acc.to(dtype)
+
+
+@triton.jit
+def _rotate(x_ptr, cos, sin, d, HALF: tl.constexpr, norm_w_ptr, eps, NORM: tl.constexpr, LEVELS: tl.constexpr,
+            dtype: tl.constexpr, bias_ptr, part_stride, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr):  # fmt: skip
+    """RoPE of one head vector (``_head``); with ``NORM``, of its RMSNorm (``rmsnorm_reference`` bits, as
     ``quant.fused.FusedRMSNorm`` computes the per-head q/k norm) instead."""
-    dtype = x_ptr.dtype.element_ty
     partner_d = tl.where(d < HALF, d + HALF, d - HALF)
-    x_raw = tl.load(x_ptr + d)
-    partner_raw = tl.load(x_ptr + partner_d)
+    x_raw = _head(x_ptr, d, bias_ptr, part_stride, dtype, SPLITS, HAS_BIAS)
+    partner_raw = _head(x_ptr, partner_d, bias_ptr, part_stride, dtype, SPLITS, HAS_BIAS)
     if NORM:  # y = w * (x / sqrt(mean(x²) + eps)).to(dtype), rounded to dtype; the partner shares the divisor
         divisor = tl.sum(rms_divisor_rows(tl.reshape(x_raw.to(tl.float32), (1, 2 * HALF)), 2.0 * HALF, eps, LEVELS), 0)
         w = tl.load(norm_w_ptr + d).to(tl.float32)
@@ -53,24 +68,31 @@ def rope_append_kernel(
     k_scale_ptr, v_scale_ptr, q_norm_ptr, k_norm_ptr, q_eps, k_eps,
     stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_cb, stride_sb, stride_ob, stride_oh,
     stride_kcs, stride_kch, stride_kct, stride_vcs, stride_vch, stride_vct, stride_ss, stride_sh,
+    q_bias_ptr, k_bias_ptr, v_bias_ptr, part_stride,
     H: tl.constexpr, D: tl.constexpr, KV_FP8: tl.constexpr, NORM: tl.constexpr, LEVELS: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, SPLITS: tl.constexpr = 0, HAS_BIAS: tl.constexpr = False,
 ):
+    """``SPLITS`` > 0: ``q_ptr`` / ``k_ptr`` / ``v_ptr`` point into a grouped decode GEMM's FP32 partial
+    sums (split ``s`` at ``s * part_stride``), reduced here with the biases (``HAS_BIAS``) instead of
+    by the GEMM's own reduction launch."""
     pdl_enter(PDL)
+    dtype = q_out_ptr.dtype.element_ty
     b = tl.program_id(0)
     h = tl.program_id(1)
     d = tl.arange(0, D)
     cos = tl.load(cos_ptr + b * stride_cb + d).to(tl.float32)
     sin = tl.load(sin_ptr + b * stride_sb + d).to(tl.float32)
     if h < H:
-        q = _rotate(q_ptr + b * stride_qb + h * stride_qh, cos, sin, d, D // 2, q_norm_ptr, q_eps, NORM, LEVELS)
+        q = _rotate(q_ptr + b * stride_qb + h * stride_qh, cos, sin, d, D // 2, q_norm_ptr, q_eps, NORM, LEVELS, dtype,
+                    q_bias_ptr + h * D, part_stride, SPLITS, HAS_BIAS)  # fmt: skip
         tl.store(q_out_ptr + b * stride_ob + h * stride_oh + d, q)
     else:
         kv = h - H
         slot = tl.load(slots_ptr + b).to(tl.int64)
         pos = tl.load(positions_ptr + b).to(tl.int64)
-        k = _rotate(k_ptr + b * stride_kb + kv * stride_kh, cos, sin, d, D // 2, k_norm_ptr, k_eps, NORM, LEVELS)
-        v = tl.load(v_ptr + b * stride_vb + kv * stride_vh + d)
+        k = _rotate(k_ptr + b * stride_kb + kv * stride_kh, cos, sin, d, D // 2, k_norm_ptr, k_eps, NORM, LEVELS, dtype,
+                    k_bias_ptr + kv * D, part_stride, SPLITS, HAS_BIAS)  # fmt: skip
+        v = _head(v_ptr + b * stride_vb + kv * stride_vh, d, v_bias_ptr + kv * D, part_stride, dtype, SPLITS, HAS_BIAS)
         scale_at = slot * stride_ss + kv * stride_sh + pos  # scales: (S, H_kv, T), unit stride along T
         _store_kv(k_cache_ptr + slot * stride_kcs + kv * stride_kch + pos * stride_kct, k_scale_ptr + scale_at, k, d, KV_FP8)
         _store_kv(v_cache_ptr + slot * stride_vcs + kv * stride_vch + pos * stride_vct, v_scale_ptr + scale_at, v, d, KV_FP8)

@@ -45,8 +45,8 @@ from jetrl_trainer._choices import FLOAT_DTYPES, check_choice
 from ._triton_support import call_op, cdiv, check_scale_format, ensure_scratch_allocator, load_jit, pdl_launch, sm_count
 
 __all__ = [
-    "DECODE_MAX_M", "PROLOGUE_MAX_M", "fp8_decode_gemm_grouped", "fp8_decode_gemm_nt", "fp8_decode_gemm_partials",
-    "fp8_decode_linear",
+    "DECODE_MAX_M", "PROLOGUE_MAX_M", "fp8_decode_gemm_grouped", "fp8_decode_gemm_grouped_partials",
+    "fp8_decode_gemm_nt", "fp8_decode_gemm_partials", "fp8_decode_linear",
 ]  # fmt: skip
 
 _FP8 = torch.float8_e4m3fn
@@ -147,8 +147,9 @@ def _decode_linear_op(
 def _launch(x: Tensor, x_s: Optional[Tensor], segments: list[tuple], scale_format: str, q: Tensor, s: Tensor,
             write_q: bool, partials: Optional[Tensor] = None) -> None:  # fmt: skip
     """The GEMM (and the split-K reduction) for ``segments``: one to three ``(w_q, w_s, bias, out)``.
-    ``partials`` (one segment, no bias, its ``out`` = ``partials[0]``): the FP32 ``[SPLITS, M, N]`` to
-    write the split sums into, unreduced (with one split the kernel writes its FP32 result there)."""
+    ``partials`` (no biases; one segment's ``out`` = ``partials[0]``, a group's outs unused): the FP32
+    ``[SPLITS, M, N_0 + N_1 + N_2]`` to write the split sums into, unreduced (with one split the
+    kernel writes its FP32 result there)."""
     jit = load_jit("_triton_decode_gemm_jit")
     m, k = x.shape
     widths = [w_q.shape[0] for w_q, *_ in segments]
@@ -174,11 +175,13 @@ def _launch(x: Tensor, x_s: Optional[Tensor], segments: list[tuple], scale_forma
         part = partials
     else:
         part = torch.empty((splits, m, total), dtype=torch.float32, device=x.device) if splits > 1 else out
+    # A grouped launch's partials: one split writes them too (a single weight's out is partials[0] itself).
+    grouped_partials = {"PARTIALS": True} if partials is not None and len(segments) > 1 else {}
     jit.fp8_decode_gemm_kernel[grid](
         x, x_s if x_s is not None else w_s, w_q, w_s, out, part, bias, q.view(torch.uint8), s, m, n, k,
         x.stride(0), x_s.stride(0) if x_s is not None else 0, w_q.stride(0), w_s.stride(0), out.stride(0), *rest,
         *descriptors, QUANTIZE=quantize, HAS_BIAS=has_bias, WRITE_Q=write_q and quantize,
-        UE8M0=scale_format == "ue8m0", SEGMENTS=len(segments), **cfg, **pdl,
+        UE8M0=scale_format == "ue8m0", SEGMENTS=len(segments), **cfg, **pdl, **grouped_partials,
     )  # fmt: skip
     if splits > 1 and partials is None:
         jit.splitk_reduce_kernel[(cdiv(m * total, REDUCE_BLOCK),)](
@@ -230,6 +233,25 @@ def _decode_partials_op(x_q: Tensor, x_s: Tensor, w_q: Tensor, w_s: Tensor) -> T
     return parts
 
 
+@torch.library.custom_op("jetrl::fp8_decode_gemm_grouped_partials", mutates_args=(), device_types="cuda")
+def _decode_grouped_partials_op(x_q: Tensor, x_s: Tensor, w_qs: list[Tensor], w_ss: list[Tensor]) -> Tensor:
+    m, widths = x_q.shape[0], [w_q.shape[0] for w_q in w_qs]
+    splits = plan(m, widths, x_q.shape[1], sm_count(x_q.device))["SPLITS"]
+    parts = torch.empty((splits, m, sum(widths)), dtype=torch.float32, device=x_q.device)
+    if m:
+        empty = torch.empty((0,), dtype=torch.float32, device=x_q.device)
+        _launch(x_q, x_s, [(w_q, w_s, None, parts) for w_q, w_s in zip(w_qs, w_ss)], "fp32", empty, empty, False,
+                partials=parts)  # fmt: skip
+    return parts
+
+
+@_decode_grouped_partials_op.register_fake
+def _(x_q, x_s, w_qs, w_ss):
+    m, widths = x_q.shape[0], [w_q.shape[0] for w_q in w_qs]
+    splits = plan(m, widths, x_q.shape[1], sm_count(x_q.device))["SPLITS"]
+    return x_q.new_empty((splits, m, sum(widths)), dtype=torch.float32)
+
+
 @_decode_partials_op.register_fake
 def _(x_q, x_s, w_q, w_s):
     m, n = x_q.shape[0], w_q.shape[0]
@@ -259,6 +281,20 @@ def _check_weight(w_q: Tensor, w_s: Tensor, k: int) -> None:
     if w_s.dtype != torch.float32 or tuple(w_s.shape) != expected or w_s.stride(-1) != 1:
         raise ValueError(f"w_s must be float32 {expected} (128x128 blocks, unit stride); got {w_s.dtype} "
                          f"{tuple(w_s.shape)}.")  # fmt: skip
+
+
+def _check_count(weights: Sequence) -> None:
+    if not 2 <= len(weights) <= 3:
+        raise ValueError(f"a grouped decode GEMM takes 2 or 3 weights; got {len(weights)}.")
+
+
+def _check_group(x_q: Tensor, x_s: Tensor, weights: Sequence[tuple[Tensor, Tensor]]) -> None:
+    _check_count(weights)
+    _check_prequantized(x_q, x_s)
+    for w_q, w_s in weights:
+        _check_weight(w_q, w_s, x_q.shape[1])
+        if not (w_q.is_contiguous() and w_s.is_contiguous()):
+            raise ValueError("the weights of a grouped decode GEMM must be contiguous.")
 
 
 def _check_prequantized(x_q: Tensor, x_s: Tensor) -> None:
@@ -323,19 +359,23 @@ def fp8_decode_gemm_grouped(
     small to keep every SM streaming (k/v of an 8B model are 4 MB of FP8); together they fill the
     GPU with one launch and one reduction. Biases: all or none. Same operands, and per output the
     same math as separate calls; only the K split (summation order) may differ."""
-    if not 2 <= len(weights) <= 3:
-        raise ValueError(f"a grouped decode GEMM takes 2 or 3 weights; got {len(weights)}.")
+    _check_count(weights)
     biases = list(biases) or [None] * len(weights)
     if len(biases) != len(weights) or len({b is None for b in biases}) != 1:
         raise ValueError("give a bias for every weight of a grouped decode GEMM, or none.")
-    _check_prequantized(x_q, x_s)
-    m, k = x_q.shape
-    for w_q, w_s in weights:
-        _check_weight(w_q, w_s, k)
-        if not (w_q.is_contiguous() and w_s.is_contiguous()):
-            raise ValueError("the weights of a grouped decode GEMM must be contiguous.")
+    _check_group(x_q, x_s, weights)
     if len({b.dtype for b in biases if b is not None}) > 1:
         raise ValueError("the biases of a grouped decode GEMM must share one dtype.")
     check_choice("out_dtype", out_dtype, FLOAT_DTYPES)
     w_qs, w_ss = [w for w, _ in weights], [s for _, s in weights]
     return call_op(_decode_grouped_op, x_q, x_s, w_qs, w_ss, biases, out_dtype)
+
+
+def fp8_decode_gemm_grouped_partials(x_q: Tensor, x_s: Tensor, weights: Sequence[tuple[Tensor, Tensor]]) -> Tensor:
+    """:func:`fp8_decode_gemm_grouped` without its split-K reduction and biases: the FP32 partial sums
+    ``[S, M, N_0 + N_1 (+ N_2)]``, the weights' columns side by side (``S`` the planned K splits, 1 when
+    K is not split), for a consumer that reduces them itself (``triton_rope_append.rope_append``
+    with ``qkv_parts``: the q/k/v reduction inside the RoPE + KV-append launch). Summed in split
+    order, plus each weight's bias, and rounded once, they give the bits of the grouped launch."""
+    _check_group(x_q, x_s, weights)
+    return call_op(_decode_grouped_partials_op, x_q, x_s, [w for w, _ in weights], [s for _, s in weights])

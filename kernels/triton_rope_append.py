@@ -23,6 +23,7 @@ quantized, one scale per head vector: ``quantize_fp8_groups(x, group=D)`` of the
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Optional
 
 import torch
@@ -30,7 +31,7 @@ from torch import Tensor
 
 from ._triton_support import call_op, load_jit, pdl_launch
 
-__all__ = ["check_kv_scales", "rope_append"]
+__all__ = ["check_kv_scales", "rope_append", "rope_append_from_partials"]
 
 _FP8 = torch.float8_e4m3fn
 
@@ -42,16 +43,21 @@ def _rope_append_op(
     q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
     slots: Tensor, positions: Tensor, k_scale: Optional[Tensor], v_scale: Optional[Tensor],
     q_norm: Optional[Tensor], k_norm: Optional[Tensor], q_eps: float, k_eps: float,
+    parts: Optional[Tensor] = None, q_bias: Optional[Tensor] = None, k_bias: Optional[Tensor] = None,
+    v_bias: Optional[Tensor] = None,
 ) -> Tensor:  # fmt: skip
     jit = load_jit("_triton_rope_jit")
     B, H, D = q.shape
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    out = torch.empty((B, H, D), dtype=cos.dtype, device=q.device)  # the model dtype (q's, unless partial sums)
     if B == 0:
         return out
     fp8 = k_scale is not None
     caches = (k_cache.view(torch.uint8), v_cache.view(torch.uint8)) if fp8 else (k_cache, v_cache)
     scales = (k_scale, v_scale) if fp8 else (out, out)  # unused pointers when not FP8
     norm = q_norm is not None
+    # q / k / v as views of a grouped GEMM's partial sums: the splits sit parts.stride(0) apart
+    splits = dict(SPLITS=parts.shape[0], HAS_BIAS=q_bias is not None) if parts is not None else {}
+    biases = (q_bias, k_bias, v_bias) if q_bias is not None else (out, out, out)  # unused pointers without
     jit.rope_append_kernel[(B, H + k.shape[1])](
         q, k, v, cos, sin, out, *caches, slots, positions, *scales,
         q_norm if norm else out, k_norm if norm else out, q_eps, k_eps,
@@ -59,15 +65,17 @@ def _rope_append_op(
         out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0,
+        *biases, parts.stride(0) if parts is not None else 0,
         H=H, D=D, KV_FP8=fp8, NORM=norm, LEVELS=D.bit_length() - 2, num_warps=1, enable_fp_fusion=False,
-        **pdl_launch(q.device),
+        **splits, **pdl_launch(q.device),
     )  # fmt: skip
     return out
 
 
 @_rope_append_op.register_fake
-def _(q, k, v, cos, sin, k_cache, v_cache, slots, positions, k_scale, v_scale, q_norm, k_norm, q_eps, k_eps):
-    return torch.empty_like(q, memory_format=torch.contiguous_format)
+def _(q, k, v, cos, sin, k_cache, v_cache, slots, positions, k_scale, v_scale, q_norm, k_norm, q_eps, k_eps,
+      parts=None, q_bias=None, k_bias=None, v_bias=None):  # fmt: skip
+    return q.new_empty(q.shape, dtype=cos.dtype)
 
 
 def rope_append(
@@ -81,6 +89,56 @@ def rope_append(
     ``qk_norms = (q_weight, k_weight, q_eps, k_eps)`` first applies Qwen3's per-head RMSNorms to
     ``q`` and ``k``, as ``rmsnorm_reference`` (what ``quant.fused.FusedRMSNorm`` runs in both phases),
     bit for bit; weights ``[D]`` in the dtype of ``q``."""
+    _check_operands(q, k, v, cos, sin, k_cache, v_cache, k_scale, v_scale)
+    fp8 = k_cache.dtype == _FP8
+    tensors = (q, k, v, cos, sin) if fp8 else (q, k, v, cos, sin, k_cache, v_cache)
+    if len({t.dtype for t in tensors}) != 1:
+        raise ValueError("q, k, v, cos, sin (and caches not in FP8) must share a dtype.")
+    return call_op(_rope_append_op, q, k, v, cos, sin, k_cache, v_cache, slots, positions, k_scale, v_scale,
+                   *_norm_args(qk_norms, q.shape[2], q.dtype))  # fmt: skip
+
+
+def rope_append_from_partials(
+    parts: Tensor, heads: int, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
+    positions: Tensor, *, biases: Optional[Sequence[Tensor]] = None, k_scale: Optional[Tensor] = None,
+    v_scale: Optional[Tensor] = None, qk_norms: Optional[tuple[Tensor, Tensor, float, float]] = None,
+) -> Tensor:  # fmt: skip
+    """:func:`rope_append` of q/k/v given as the FP32 partial sums ``[S, B, (heads + 2 H_kv) · D]`` of
+    their grouped decode GEMM (``triton_decode_gemm.fp8_decode_gemm_grouped_partials``), with the
+    projections' ``biases`` (q, k, v; model dtype) or none: the split-K reduction runs in this launch
+    instead of one of its own. The splits are added in order, the bias added and the sum rounded to
+    the model dtype (``cos``'s) once, as the GEMM's reduction does, so the results are the bits of
+    reducing first and calling :func:`rope_append`."""
+    D = cos.shape[-1]
+    kv_heads = k_cache.shape[1]
+    widths = (heads * D, kv_heads * D, kv_heads * D)
+    if parts.dim() != 3 or parts.dtype != torch.float32 or not parts.is_contiguous() or parts.shape[2] != sum(widths):
+        raise ValueError(f"parts must be contiguous float32 (S, B, {sum(widths)}) for {heads} query and {kv_heads} KV "
+                         f"heads of {D}; got {parts.dtype} {tuple(parts.shape)}.")  # fmt: skip
+    if parts.shape[0] < 1:
+        raise ValueError("parts needs at least one split.")
+    q, k, v = partial_views(parts, heads, kv_heads, D)
+    if biases is not None:
+        biases = list(biases)
+        if len(biases) != 3 or any(b.shape != (w,) or b.dtype != cos.dtype or not b.is_contiguous()
+                                   for b, w in zip(biases, widths)):
+            raise ValueError(f"biases must be three contiguous {cos.dtype} vectors of {widths}.")
+    _check_operands(q, k, v, cos, sin, k_cache, v_cache, k_scale, v_scale)
+    if sin.dtype != cos.dtype or (k_cache.dtype != _FP8 and k_cache.dtype != cos.dtype):
+        raise ValueError("cos, sin (and caches not in FP8) must share the model dtype.")
+    return call_op(_rope_append_op, q, k, v, cos, sin, k_cache, v_cache, slots, positions, k_scale, v_scale,
+                   *_norm_args(qk_norms, D, cos.dtype), parts, *(biases or (None, None, None)))  # fmt: skip
+
+
+def partial_views(parts: Tensor, heads: int, kv_heads: int, D: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Split 0 of grouped q/k/v partial sums as ``(B, heads, D)`` and two ``(B, kv_heads, D)`` views: the
+    kernel reads split ``s`` at ``s * parts.stride(0)`` past each."""
+    widths = (heads * D, kv_heads * D, kv_heads * D)
+    return tuple(t.unflatten(-1, (-1, D)) for t in parts[0].split(widths, dim=-1))
+
+
+def _check_operands(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
+                    k_scale: Optional[Tensor], v_scale: Optional[Tensor]) -> None:  # fmt: skip
     B, H, D = q.shape
     if q.device.type != "cuda":
         raise ValueError("rope_append is a CUDA kernel; on CPU the engine runs the model's own apply_rotary_pos_emb.")
@@ -90,18 +148,18 @@ def rope_append(
     if cos.shape != (B, D) or sin.shape != (B, D) or k_cache.shape != v_cache.shape or k_cache.shape[3] != D:
         raise ValueError(f"cos / sin must be (B, D) = {(B, D)} and the caches (S, H_kv, T, {D}); got "
                          f"{tuple(cos.shape)}, {tuple(k_cache.shape)}.")  # fmt: skip
-    fp8 = k_cache.dtype == _FP8
     check_kv_scales(k_cache, v_cache, k_scale, v_scale)
-    tensors = (q, k, v, cos, sin) if fp8 else (q, k, v, cos, sin, k_cache, v_cache)
-    if len({t.dtype for t in tensors}) != 1 or any(t.stride(-1) != 1 for t in (q, k, v, cos, sin, k_cache, v_cache)):
-        raise ValueError("q, k, v, cos, sin (and caches not in FP8) must share a dtype; all need unit stride along "
-                         "head_dim.")  # fmt: skip
+    if any(t.stride(-1) != 1 for t in (q, k, v, cos, sin, k_cache, v_cache)):
+        raise ValueError("q, k, v, cos, sin and the caches need unit stride along head_dim.")
+
+
+def _norm_args(qk_norms: Optional[tuple], D: int, dtype: torch.dtype) -> tuple:
+    """The op's (q_norm, k_norm, q_eps, k_eps) from ``qk_norms``, checked."""
     q_norm, k_norm, q_eps, k_eps = qk_norms if qk_norms is not None else (None, None, 0.0, 0.0)
-    if qk_norms is not None and any(w.shape != (D,) or w.dtype != q.dtype or not w.is_contiguous() for w in (q_norm, k_norm)):
-        raise ValueError(f"qk_norms weights must be contiguous ({D},) in {q.dtype}; got "
+    if qk_norms is not None and any(w.shape != (D,) or w.dtype != dtype or not w.is_contiguous() for w in (q_norm, k_norm)):
+        raise ValueError(f"qk_norms weights must be contiguous ({D},) in {dtype}; got "
                          f"{tuple(q_norm.shape)} {q_norm.dtype}, {tuple(k_norm.shape)} {k_norm.dtype}.")  # fmt: skip
-    return call_op(_rope_append_op, q, k, v, cos, sin, k_cache, v_cache, slots, positions, k_scale, v_scale,
-                   q_norm, k_norm, float(q_eps), float(k_eps))  # fmt: skip
+    return q_norm, k_norm, float(q_eps), float(k_eps)
 
 
 def check_kv_scales(k_cache: Tensor, v_cache: Tensor, k_scale: Optional[Tensor], v_scale: Optional[Tensor]) -> None:

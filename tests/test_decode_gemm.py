@@ -451,3 +451,11 @@ def test_programmatic_dependent_launch_keeps_every_bit(m, monkeypatch):
             torch.cuda.synchronize()
             for a, b in zip(outs, reference):
                 assert torch.equal(a, b), seed
+
+
+def test_grouped_partials_refuse_bad_operands():
+    w = quantize_fp8_blocks(torch.randn(128, 256))
+    with pytest.raises(ValueError, match="2 or 3 weights"):
+        dg.fp8_decode_gemm_grouped_partials(*quantize_fp8_groups(torch.randn(4, 256)), [w] * 4)
+    with pytest.raises(ValueError, match="CUDA"):
+        dg.fp8_decode_gemm_grouped_partials(*quantize_fp8_groups(torch.randn(4, 256)), [w, w])

@@ -134,6 +134,79 @@ def test_fused_qk_norms_are_handed_to_the_rope_launch_and_the_layers_compute_the
     assert torch.equal(fused, expected)
 
 
+class _SplitSumsGroup:
+    """A q/k/v group for CPU: its outputs as the modules compute them, or as two equal split sums that
+    add up to them exactly (what the GPU's grouped launch leaves for the RoPE launch)."""
+
+    def __init__(self, modules):
+        self.modules = modules
+
+    def __call__(self, x):
+        return [m(x) for m in self.modules]
+
+    def split_sums(self, x):
+        from jetrl_trainer.rollout.engine.projections import GroupedSplitSums
+
+        outs = self(x)
+        flat = torch.cat(outs, -1).reshape(-1, sum(o.shape[-1] for o in outs)).float()
+        return GroupedSplitSums(torch.stack([flat / 2, flat / 2]), None, [o.shape[-1] for o in outs], x.dtype)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_hf_norms"])
+def test_qkv_split_sums_reach_the_rope_launch_only_where_it_applies_the_norms(arch):
+    """``hidden_states(fused_qkv=True)``: each layer's q/k/v go to the kernel path's attend unreduced
+    (``GroupedSplitSums``) where that launch also applies the q/k norms (Llama, Qwen2, Qwen3 with the
+    FP8 recipe's fused norms), never past HF's own Qwen3 norms; reducing them there gives the hidden
+    states of the reduced path."""
+    from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
+
+    from jetrl_trainer.quant.fused import fuse_norm_and_swiglu
+    from jetrl_trainer.quant.reference import rmsnorm_reference
+    from jetrl_trainer.rollout.engine.architecture import DecoderView
+    from jetrl_trainer.rollout.engine.projections import GroupedSplitSums
+
+    model = quantize_model(BUILDERS[arch.removesuffix("_hf_norms")](tokenizer()), train="fp8", rollout="fp8").eval()
+    if arch == "qwen3":
+        fuse_norm_and_swiglu(model)
+    view = DecoderView.from_model(model)
+    view.qkv_groups = [_SplitSumsGroup([a.q_proj, a.k_proj, a.v_proj]) for a in (layer.self_attn for layer in view.layers)]
+    ids, positions = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]]), torch.arange(4)[None].expand(2, 4)
+    seen = []
+
+    def attend(i, q, k, v, cos, sin):
+        seen.append(type(q))
+        if isinstance(q, GroupedSplitSums):
+            assert k is None and v is None
+            q, k, v = (t.view(*ids.shape, -1, view.head_dim) for t in q.materialize())
+        if view.qk_norms and view.qk_norms[i] is not None:
+            q_w, k_w, q_eps, k_eps = view.qk_norms[i]
+            q, k = rmsnorm_reference(q, q_w, q_eps), rmsnorm_reference(k, k_w, k_eps)
+        q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=True, enable_gqa=True)
+
+    with torch.no_grad(), precision_phase("rollout"):
+        reduced = view.hidden_states(ids, positions, attend, rope_in_attend=True, grouped=True)
+        assert seen and GroupedSplitSums not in seen
+        seen.clear()
+        fused = view.hidden_states(ids, positions, attend, rope_in_attend=True, grouped=True, fused_qkv=True)
+    assert len(seen) == len(view.layers)
+    assert set(seen) == ({torch.Tensor} if arch == "qwen3_hf_norms" else {GroupedSplitSums})
+    assert torch.equal(fused, reduced)
+
+
+def test_grouped_split_sums_materialize_in_split_order_with_biases_rounded_once():
+    from jetrl_trainer.rollout.engine.projections import GroupedSplitSums
+
+    g = torch.Generator().manual_seed(0)
+    parts = torch.randn(3, 5, 12, generator=g) * 100
+    biases = [torch.randn(w, generator=g).to(torch.bfloat16) for w in (6, 3, 3)]
+    outs = GroupedSplitSums(parts, biases, [6, 3, 3], torch.bfloat16).materialize()
+    acc = (parts[0] + parts[1]) + parts[2]
+    want = [(a + b.float()).to(torch.bfloat16) for a, b in zip(acc.split([6, 3, 3], -1), biases)]
+    assert all(o.dtype == torch.bfloat16 and torch.equal(o, w) for o, w in zip(outs, want))
+    assert [o.shape for o in GroupedSplitSums(parts, None, [6, 3, 3], torch.float32).materialize()] == [(5, 6), (5, 3), (5, 3)]
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_projections_group_only_plain_fp8_quantlinears(arch):
     """q/k/v and gate/up form one decode launch each for FP8 QuantLinears (Qwen2's biases too);

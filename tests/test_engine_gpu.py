@@ -232,15 +232,15 @@ def test_kept_graphs_replay_the_weights_of_each_step():
         assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-3, rtol=0)
 
 
-def _fp8_head128_model(arch: str, tok):
+def _fp8_head128_model(arch: str, tok, **overrides):
     """A tiny unified-FP8 model with heads of 128 (one 1x128 group per head): Qwen3, or Llama with
-    biases on q/k/v/o."""
+    biases on q/k/v/o; ``overrides``: more config fields."""
     from jetrl_trainer.tiny import build_tiny_llama
 
     if arch == "qwen3":
-        model = build_tiny_qwen3(tok, head_dim=128)
+        model = build_tiny_qwen3(tok, head_dim=128, **overrides)
     else:
-        model = build_tiny_llama(tok, head_dim=128, attention_bias=True)
+        model = build_tiny_llama(tok, head_dim=128, attention_bias=True, **overrides)
     model = model.cuda().eval()
     quantize_model(model, train="fp8", rollout="fp8")
     return model
@@ -272,22 +272,63 @@ def test_fused_epilogues_change_no_bit(arch, monkeypatch):
     monkeypatch.setattr(triton_norm, "add_rmsnorm_quant_fp8", counting("add_norm", triton_norm.add_rmsnorm_quant_fp8))
     monkeypatch.setattr(attention, "decode_attention", counting(
         "attention_quant", attention.decode_attention, lambda *a, **kw: kw.get("quantize_output") is not None))
+    def fused_kernels_ran():
+        layers = len(model.model.layers)
+        assert calls["partials"] >= 2 * layers - 1 and calls["add_norm"] >= 2 * layers - 1, calls
+        assert calls["attention_quant"] >= layers, calls
+        calls.update(partials=0, add_norm=0, attention_quant=0)
+
+    _same_bits_with_and_without(model, tok, "fused_epilogues", fused_kernels_ran)
+    assert calls == {"partials": 0, "add_norm": 0, "attention_quant": 0}
+
+
+def _same_bits_with_and_without(model, tok, flag: str, check_on) -> None:
+    """Sampled rollouts with the engine's ``flag`` on (then ``check_on()``) and off: the same tokens
+    and log-probs, bit for bit."""
     config = GenerationConfig(max_new_tokens=10, do_sample=True, temperature=1.0, pad_token_id=tok.pad_token_id)
     runs = []
     with precision_phase("rollout"):
-        for fused in (True, False):
+        for on in (True, False):
             engine = DecodeEngine(model, cuda_graphs=True)
-            engine.fused_epilogues = fused
+            setattr(engine, flag, on)
             runs.append(engine.generate(PROMPTS * 2, config, eos_token_ids=[-1], seed=3, pad_token_id=0))
-            if fused:
-                layers = len(model.model.layers)
-                assert calls["partials"] >= 2 * layers - 1 and calls["add_norm"] >= 2 * layers - 1, calls
-                assert calls["attention_quant"] >= layers, calls
-                calls.update(partials=0, add_norm=0, attention_quant=0)
-    assert calls == {"partials": 0, "add_norm": 0, "attention_quant": 0}
+            if on:
+                check_on()
     assert runs[0][0] == runs[1][0]
     for a, b in zip(runs[0][1], runs[1][1]):
         assert torch.equal(torch.tensor(a), torch.tensor(b))
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama_bias"])
+@pytest.mark.parametrize("min_groups", [1, 4])
+def test_fused_qkv_reduce_changes_no_bit(arch, min_groups, monkeypatch):
+    """``fused_qkv_reduce``: the grouped q/k/v launch leaves its split sums and the RoPE + KV-append
+    launch reduces them (with Qwen3's q/k norms, or Llama's q/k/v biases): the same tokens and
+    log-probs, bit for bit, as the GEMM's own reduction; with short K splits (several per launch)
+    and the shipped ones, and the fused launch really ran in every layer."""
+    _graphs_or_skip()
+    from jetrl_trainer.kernels import triton_decode_gemm as dg
+    from jetrl_trainer.kernels import triton_rope_append
+
+    monkeypatch.setitem(dg.LAUNCH, "MIN_GROUPS_PER_SPLIT", min_groups)
+    tok = tokenizer()
+    model = _fp8_head128_model(arch, tok, hidden_size=512)  # K of 4 groups: q/k/v split in up to 4
+    calls = []
+    real = triton_rope_append.rope_append_from_partials
+
+    def counting(parts, *args, **kwargs):
+        calls.append(parts.shape[0])
+        return real(parts, *args, **kwargs)
+
+    monkeypatch.setattr(triton_rope_append, "rope_append_from_partials", counting)
+
+    def reduced_in_the_rope_launch():
+        assert len(calls) >= len(model.model.layers), calls
+        assert min_groups == 4 or max(calls) > 1  # short splits: the launch reduced several
+        calls.clear()
+
+    _same_bits_with_and_without(model, tok, "fused_qkv_reduce", reduced_in_the_rope_launch)
+    assert not calls
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama_bias"])

@@ -310,3 +310,65 @@ def test_scratch_allocator_is_given_to_triton_only_when_none_was_set():
 
     assert contextvars.copy_context().run(run, _allocation.NullAllocator()) is _triton_support._scratch_buffer
     assert contextvars.copy_context().run(run, mine) is mine
+
+
+# Triton's interpreter rounds FP32 -> BF16 toward zero where the GPU rounds to nearest even (2.6856
+# becomes 2.671875, not torch's 2.6875), so the bit tests below compare FP32 results here; the GPU
+# tests (test_decode_gemm.py, test_engine*.py) compare BF16 bits.
+
+
+@pytest.mark.parametrize("m, widths, k", [(16, [256, 64, 64], 512), (16, [256, 64, 64], 2048), (5, [128, 192], 384)])
+def test_grouped_partials_reduce_to_the_bits_of_the_grouped_launch(m, widths, k, monkeypatch):
+    """``fp8_decode_gemm_grouped_partials``: the weights' FP32 split sums side by side, one split (the
+    ``PARTIALS`` store) or several; added in split order, plus each weight's bias, they are the
+    grouped launch's outputs, bit for bit."""
+    from jetrl_trainer.kernels import triton_decode_gemm as dg
+
+    monkeypatch.setattr(dg, "sm_count", lambda device: 132)
+    g = torch.Generator().manual_seed(k + m)
+    x_q, x_s = (t.contiguous() for t in quantize_fp8_groups(torch.randn(m, k, generator=g) * 3))
+    weights = [tuple(t.contiguous() for t in quantize_fp8_blocks(torch.randn(n, k, generator=g) * 0.05)) for n in widths]
+    biases = [torch.randn(n, generator=g) for n in widths]
+    w_qs, w_ss = [w for w, _ in weights], [s for _, s in weights]
+    parts = dg._decode_grouped_partials_op._init_fn(x_q, x_s, w_qs, w_ss)
+    assert parts.shape == (dg.plan(m, widths, k, 132)["SPLITS"], m, sum(widths))
+    want = dg._decode_grouped_op._init_fn(x_q, x_s, w_qs, w_ss, biases, torch.float32)
+    acc = parts[0].clone()
+    for part in parts[1:]:
+        acc += part
+    for got, bias, ref in zip(acc.split(widths, dim=-1), biases, want):
+        assert torch.equal(got + bias, ref)
+
+
+@pytest.mark.parametrize("splits, bias, norms", [(1, False, False), (3, True, False), (2, False, True), (4, True, True)])
+def test_rope_append_from_partials_gives_the_bits_of_reducing_first(splits, bias, norms):
+    """The q/k/v split-K reduction inside the RoPE + KV-append launch: the same rotated q and the same
+    cache writes as reducing the partial sums first (in split order, + bias, rounded once: what the
+    GEMM's reduction launch stores) and calling the plain launch on the result."""
+    from jetrl_trainer.kernels import triton_rope_append as kernel
+
+    H, H_kv, D, B, dtype = 4, 2, 32, 3, torch.float32
+    g = torch.Generator().manual_seed(splits)
+    parts = torch.randn(splits, B, (H + 2 * H_kv) * D, generator=g) * 3
+    biases = [torch.randn(w, generator=g).to(dtype) for w in (H * D, H_kv * D, H_kv * D)] if bias else None
+    angles = torch.rand(B, D // 2, generator=g) * 6
+    cos, sin = (torch.cat([f(angles)] * 2, -1).to(dtype) for f in (torch.cos, torch.sin))
+    slots, positions = torch.tensor([4, 0, 2]), torch.tensor([0, 9, 3])
+    norm_args = ((torch.rand(D, generator=g) + 0.5).to(dtype), (torch.rand(D, generator=g) + 0.5).to(dtype), 1e-6, 1e-6) \
+        if norms else (None, None, 0.0, 0.0)  # fmt: skip
+
+    acc = parts[0].clone()
+    for part in parts[1:]:
+        acc += part
+    if bias:
+        acc += torch.cat(biases).float()
+    q, k, v = kernel.partial_views(acc.to(dtype)[None], H, H_kv, D)
+    caches = [torch.full((5, H_kv, 10, D), 7.0, dtype=dtype) for _ in range(4)]
+    want = kernel._rope_append_op._init_fn(q, k, v, cos, sin, caches[0], caches[1], slots, positions, None, None,
+                                           *norm_args)  # fmt: skip
+    q, k, v = kernel.partial_views(parts, H, H_kv, D)
+    got = kernel._rope_append_op._init_fn(q, k, v, cos, sin, caches[2], caches[3], slots, positions, None, None,
+                                          *norm_args, parts, *(biases or (None, None, None)))  # fmt: skip
+    assert got.dtype == dtype and torch.equal(got, want)
+    assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
+    assert not torch.equal(caches[2], torch.full_like(caches[2], 7.0))  # the keys were written

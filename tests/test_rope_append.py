@@ -121,3 +121,44 @@ def test_refuses_norm_weights_of_another_shape_or_dtype():
     for bad in (torch.ones(16, device="cuda"), torch.ones(32, device="cuda", dtype=torch.bfloat16)):
         with pytest.raises(ValueError, match="qk_norms weights"):
             rope_append(*args, qk_norms=(bad, bad, 1e-6, 1e-6))
+
+
+@pytest.mark.gpu
+@CUDA
+@pytest.mark.parametrize("norms, bias", [(False, True), (True, False)])
+@pytest.mark.parametrize("min_groups", [1, 4])
+def test_from_partials_gives_the_bits_of_the_grouped_gemm_then_rope(norms, bias, min_groups, monkeypatch):
+    """q/k/v of one grouped decode GEMM left as split-K sums (several splits, or one) and reduced inside
+    the RoPE + KV-append launch: the rotated q and the cache writes of the grouped launch (its own
+    reduction, biases added there) followed by the plain RoPE launch, bit for bit in BF16."""
+    from jetrl_trainer import kernels
+    from jetrl_trainer.kernels import triton_decode_gemm as dg
+    from jetrl_trainer.kernels.triton_rope_append import rope_append_from_partials
+    from jetrl_trainer.quant.fp8 import quantize_fp8_blocks, quantize_fp8_groups
+
+    if not kernels.triton_available():
+        pytest.skip("needs Triton")
+    monkeypatch.setitem(dg.LAUNCH, "MIN_GROUPS_PER_SPLIT", min_groups)
+    module, config = FAMILIES["qwen3"]
+    B, H, H_kv, D, S, T, K, dtype = 16, 4, 2, 128, 20, 64, 1024, torch.bfloat16
+    g = torch.Generator().manual_seed(min_groups)
+    x_q, x_s = (t.cuda() for t in quantize_fp8_groups(torch.randn(B, K, generator=g) * 3))
+    widths = (H * D, H_kv * D, H_kv * D)
+    weights = [tuple(t.cuda() for t in quantize_fp8_blocks(torch.randn(n, K, generator=g) * 0.05)) for n in widths]
+    biases = [torch.randn(n, generator=g).to("cuda", dtype) for n in widths] if bias else []
+    rotary = module.Qwen3RotaryEmbedding(config, device="cuda")
+    positions = torch.randint(0, T - 1, (B,), generator=g).cuda()
+    cos, sin = rotary(torch.zeros(B, 1, 8, device="cuda", dtype=dtype), positions[:, None])
+    slots = torch.randperm(S, generator=g)[:B].cuda()
+    qk_norms = ((torch.rand(D, generator=g) + 0.5).to("cuda", dtype), (torch.rand(D, generator=g) + 0.5).to("cuda", dtype),
+                1e-6, 1e-6) if norms else None  # fmt: skip
+    caches = [torch.zeros(S, H_kv, T, D, device="cuda", dtype=dtype) for _ in range(4)]
+
+    q, k, v = (t.view(B, -1, D) for t in dg.fp8_decode_gemm_grouped(x_q, x_s, weights, biases))
+    want = rope_append(q, k, v, cos[:, 0], sin[:, 0], caches[0], caches[1], slots, positions, qk_norms=qk_norms)
+    parts = dg.fp8_decode_gemm_grouped_partials(x_q, x_s, weights)
+    assert (parts.shape[0] > 1) == (min_groups == 1)  # K = 8 groups: split only with short splits
+    got = rope_append_from_partials(parts, H, cos[:, 0], sin[:, 0], caches[2], caches[3], slots, positions,
+                                    biases=biases or None, qk_norms=qk_norms)  # fmt: skip
+    assert torch.equal(got, want)
+    assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])

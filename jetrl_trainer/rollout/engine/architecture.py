@@ -32,6 +32,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 # after RoPE. With rope_in_attend, attend(layer_index, q, k, v, cos, sin) gets q (B, T, H, D) and
 # k / v (B, T, H_kv, D) before RoPE, with HF's cos / sin (B, T, D), and applies RoPE itself; where
 # DecoderView.qk_norms[layer_index] is set, it gets q / k before the q/k norms too and applies them.
+# With fused_qkv, q may instead be the q/k/v projections' unreduced GroupedSplitSums (k, v None).
 Attend = Callable[..., Tensor]
 
 
@@ -152,15 +153,17 @@ class DecoderView:
 
     def hidden_states(
         self, input_ids: Tensor, position_ids: Tensor, attend: Attend, *, rope_in_attend: bool = False,
-        grouped: bool = False, fused_residual: bool = False,
+        grouped: bool = False, fused_residual: bool = False, fused_qkv: bool = False,
     ) -> Tensor:  # fmt: skip
         """The final-norm hidden states ``(B, T, hidden)``; the layers in HF's order of module calls.
 
         ``grouped``: q/k/v and gate/up run as one launch each where ``qkv_groups`` / ``mlp_groups``
         can (decode M, FP8 `QuantLinear`s); the modules' own calls otherwise. ``fused_residual``: each
         residual add, with the o / down projection's split-K reduction, runs inside the next
-        `FusedRMSNorm` where it can (`residual.py`; the same bits). ``attend`` may return the
-        attention output already as ``(B, T, H * D)`` (with its FP8 quantization offered to o_proj)."""
+        `FusedRMSNorm` where it can (`residual.py`; the same bits). ``fused_qkv`` (with ``grouped``
+        and ``rope_in_attend``): the grouped q/k/v launch leaves its split sums for ``attend`` to
+        reduce, where ``attend`` applies any q/k norms itself. ``attend`` may return the attention
+        output already as ``(B, T, H * D)`` (with its FP8 quantization offered to o_proj)."""
         residual = ResidualStream(self.embed(input_ids), fuse=fused_residual)
         cos, sin = self.rotary(residual.h, position_ids)
         B, T = input_ids.shape
@@ -168,20 +171,14 @@ class DecoderView:
             attn = layer.self_attn
             norms_in_attend = rope_in_attend and self.qk_norms and self.qk_norms[i] is not None
             x = residual.norm(layer.input_layernorm)
-            qkv = self.qkv_groups[i](x) if grouped and self.qkv_groups and self.qkv_groups[i] else None
-            q, k, v = qkv if qkv is not None else (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x))
-            q = q.view(B, T, -1, self.head_dim)
-            if hasattr(attn, "q_norm") and not norms_in_attend:  # Qwen3
-                q = attn.q_norm(q)
-            k = k.view(B, T, -1, self.head_dim)
-            if hasattr(attn, "k_norm") and not norms_in_attend:
-                k = attn.k_norm(k)
-            v = v.view(B, T, -1, self.head_dim)
-            if rope_in_attend:
-                out = attend(i, q, k, v, cos, sin)
+            group = self.qkv_groups[i] if grouped and self.qkv_groups else None
+            sums = None
+            if group and fused_qkv and rope_in_attend and (norms_in_attend or not hasattr(attn, "q_norm")):
+                sums = group.split_sums(x)
+            if sums is not None:
+                out = attend(i, sums, None, None, cos, sin)
             else:
-                q, k = self.apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-                out = attend(i, q, k, v.transpose(1, 2))
+                out = self._attention(i, x, group, attend, cos, sin, rope_in_attend, norms_in_attend)
             if out.dim() == 4:
                 out = out.transpose(1, 2).reshape(B, T, -1)  # (B, T, H * D)
             split = fused_residual and self.o_groups and self.o_groups[i]
@@ -196,6 +193,26 @@ class DecoderView:
             else:
                 residual.add(_down_from(layer.mlp, *gate_up))
         return residual.norm(self.norm)
+
+    def _attention(self, i: int, x: Tensor, group: GroupedProjection | None, attend: Attend, cos: Tensor, sin: Tensor,
+                   rope_in_attend: bool, norms_in_attend: bool) -> Tensor:  # fmt: skip
+        """Layer ``i``'s q/k/v projections of ``x`` (one grouped launch where ``group`` runs), its q/k
+        norms unless ``attend`` applies them, and ``attend``'s output."""
+        attn = self.layers[i].self_attn
+        B, T = x.shape[:2]
+        qkv = group(x) if group else None
+        q, k, v = qkv if qkv is not None else (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x))
+        q = q.view(B, T, -1, self.head_dim)
+        if hasattr(attn, "q_norm") and not norms_in_attend:  # Qwen3
+            q = attn.q_norm(q)
+        k = k.view(B, T, -1, self.head_dim)
+        if hasattr(attn, "k_norm") and not norms_in_attend:
+            k = attn.k_norm(k)
+        v = v.view(B, T, -1, self.head_dim)
+        if rope_in_attend:
+            return attend(i, q, k, v, cos, sin)
+        q, k = self.apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        return attend(i, q, k, v.transpose(1, 2))
 
     def logits(self, hidden: Tensor) -> Tensor:
         """FP32 logits of ``hidden`` ``(..., hidden)`` (the LM head is never quantized)."""

@@ -40,6 +40,7 @@ from .architecture import DecoderView
 from .attention import decode_attention, matched_arithmetic, training_attention_backend
 from .graphs import DecodeGraphs, cuda_graphs_available
 from .kv_cache import KVCache
+from .projections import GroupedSplitSums
 from .sampling import TokenSampler, unsupported_generation_reason
 
 __all__ = ["DecodeEngine"]
@@ -146,6 +147,10 @@ class DecodeEngine:
         # inside the next fused RMSNorm, and the attention kernel writes the o projection's FP8
         # activation (residual.py; the same bits); False runs them as separate launches (benchmarks, tests).
         self.fused_epilogues = True
+        # In the kernel path, the grouped q/k/v launch leaves its split-K sums to the RoPE + KV-append
+        # launch, which reduces them (kernels/triton_rope_append.rope_append_from_partials; the same
+        # bits): one launch fewer per layer wherever K is split. Opt-in until timed on the H200.
+        self.fused_qkv_reduce = False
         # The decode step's Triton kernels launch with programmatic dependent launch (Hopper+): each may
         # start while the one before drains, and the decode GEMMs prefetch their first weight tiles into
         # L2 before they wait (kernels/_triton_support.py; the same bits). Opt-in: on the H200 it moved the
@@ -347,12 +352,17 @@ class DecodeEngine:
 
         def attend_kernels(layer: int, q: Tensor, k: Tensor, val: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
             from jetrl_trainer.kernels.triton_decode_attention import decode_attention as attention_kernel
-            from jetrl_trainer.kernels.triton_rope_append import rope_append
+            from jetrl_trainer.kernels.triton_rope_append import rope_append, rope_append_from_partials
 
             k_cache, v_cache = cache.k[layer], cache.v[layer]
             scales = dict(k_scale=cache.k_scale[layer], v_scale=cache.v_scale[layer]) if cache.fp8 else {}
-            q = rope_append(q[:, 0], k[:, 0], val[:, 0], cos[:, 0], sin[:, 0], k_cache, v_cache, slots, positions[:, 0],
-                            qk_norms=v.qk_norms[layer] if v.qk_norms else None, **scales)  # fmt: skip
+            norms = v.qk_norms[layer] if v.qk_norms else None
+            if isinstance(q, GroupedSplitSums):  # q/k/v unreduced: the reduction runs in the RoPE launch
+                q = rope_append_from_partials(q.parts, v.num_heads, cos[:, 0], sin[:, 0], k_cache, v_cache, slots,
+                                              positions[:, 0], biases=q.biases, qk_norms=norms, **scales)  # fmt: skip
+            else:
+                q = rope_append(q[:, 0], k[:, 0], val[:, 0], cos[:, 0], sin[:, 0], k_cache, v_cache, slots,
+                                positions[:, 0], qk_norms=norms, **scales)  # fmt: skip
             o_proj = v.o_groups[layer] if self.fused_epilogues and v.o_groups else None
             fmt = o_proj.input_scale_format() if o_proj is not None and q.shape[-1] == 128 else None
             # pads: tiles on the training forward's boundaries over the padded rows
@@ -369,7 +379,8 @@ class DecodeEngine:
 
         if kernel:
             hidden = v.hidden_states(tokens[:, None], positions, attend_kernels, rope_in_attend=True,
-                                     grouped=self.grouped_projections, fused_residual=self.fused_epilogues)  # fmt: skip
+                                     grouped=self.grouped_projections, fused_residual=self.fused_epilogues,
+                                     fused_qkv=self.fused_qkv_reduce)  # fmt: skip
         else:
             hidden = v.hidden_states(tokens[:, None], positions, attend)
         cache.lengths[slots] = lengths

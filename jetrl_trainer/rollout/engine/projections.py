@@ -9,7 +9,8 @@ operands and the math are the same as each module's own call; only the K split (
 summation order) may differ, which the engine's contract allows (architecture.py).
 
 A group of one (the o and down projections) can leave its output as split-K partial sums
-(`SplitSums`) for the next RMSNorm to reduce, together with the residual add (`residual.py`).
+(`SplitSums`) for the next RMSNorm to reduce, together with the residual add (`residual.py`); the
+q/k/v group can leave its outputs so (`GroupedSplitSums`) for the RoPE + KV-append launch.
 
 A group takes the decode kernel up to ``max_rows`` rows (default: ``DECODE_MAX_M``, where a lone
 projection is faster through the decode kernel than through ``scaled_mm``). q/k/v go further
@@ -34,7 +35,7 @@ from jetrl_trainer.quant.phase import current_phase
 from jetrl_trainer.quant.recipe import FP8Recipe
 from jetrl_trainer.quant.stats import record_gemm
 
-__all__ = ["QKV_MAX_ROWS", "GroupedProjection", "SplitSums"]
+__all__ = ["QKV_MAX_ROWS", "GroupedProjection", "GroupedSplitSums", "SplitSums"]
 
 # Rows up to which the q/k/v group runs as one decode-kernel launch. H200, Qwen3-8B shapes (run 21,
 # graph replays): the grouped launch took 17.8 us at M = 128 and 26.0 at 256, against 29.0 / 36.6 for
@@ -69,15 +70,18 @@ class GroupedProjection:
         outs = module.fp8_decode_gemm_grouped(*pair, weights, biases, out_dtype=x.dtype)
         return [y.view(*x.shape[:-1], y.shape[-1]) for y in outs]
 
-    def split_sums(self, x: Tensor) -> SplitSums | None:
-        """A one-module group's output left as its split-K partial sums, for a consumer that reduces
-        them itself (the fused residual add + RMSNorm, `residual.py`); None where the launch cannot run."""
-        if len(self.modules) != 1:
-            raise ValueError("split_sums is for a group of one projection.")
+    def split_sums(self, x: Tensor) -> SplitSums | GroupedSplitSums | None:
+        """The group's output left as its split-K partial sums, for a consumer that reduces them itself:
+        one projection's for the fused residual add + RMSNorm (`residual.py`), q/k/v's for the RoPE +
+        KV-append launch (``DecodeEngine.fused_qkv_reduce``); None where the launch cannot run."""
         operands = self._operands(x)
         if operands is None:
             return None
         module, pair, weights = operands
+        if len(self.modules) > 1:
+            parts = module.fp8_decode_gemm_grouped_partials(*pair, weights)
+            biases = [m.bias for m in self.modules] if self.modules[0].bias is not None else None
+            return GroupedSplitSums(parts, biases, [m.out_features for m in self.modules], x.dtype)
         parts = module.fp8_decode_gemm_partials(*pair, *weights[0])
         return SplitSums(parts, self.modules[0].bias, (*x.shape[:-1], parts.shape[-1]), x.dtype)
 
@@ -122,3 +126,24 @@ class SplitSums:
         if self.bias is not None:
             acc += self.bias.float()
         return acc.to(self.dtype).view(self.shape)
+
+
+@dataclass
+class GroupedSplitSums:
+    """A grouped decode GEMM's outputs as FP32 partial sums ``[S, M, sum(widths)]``, the projections'
+    columns side by side, not yet reduced (plus their biases)."""
+
+    parts: Tensor
+    biases: list[Tensor] | None
+    widths: list[int]
+    dtype: torch.dtype  # the outputs' dtype
+
+    def materialize(self) -> list[Tensor]:
+        """The outputs ``[M, width]``: the splits added in order (+ bias) and rounded once, as the GEMM's reduction."""
+        acc = self.parts[0].clone()
+        for part in self.parts[1:]:
+            acc += part
+        outs = list(acc.split(self.widths, dim=-1))
+        if self.biases is not None:
+            outs = [out + bias.float() for out, bias in zip(outs, self.biases)]
+        return [out.to(self.dtype) for out in outs]
