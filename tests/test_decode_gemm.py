@@ -12,6 +12,7 @@ import torch
 
 from jetrl_trainer import kernels
 from jetrl_trainer.kernels import triton_decode_gemm as dg
+from jetrl_trainer.kernels._triton_support import load_jit
 from jetrl_trainer.quant import QuantLinear, precision_phase
 from jetrl_trainer.quant._dispatch import decode_linear_fp8
 from jetrl_trainer.quant.fp8 import dequantize_fp8_blocks, dequantize_fp8_groups, quantize_fp8_blocks, quantize_fp8_groups
@@ -314,6 +315,9 @@ def test_launch_variants_give_the_bits_of_the_plain_launch(m, widths, k, variant
         assert dg.tma_loads_apply(x_q, [w for w, _ in weights]) == (k % 16 == 0)
     for got, ref in zip(run(), want):
         assert torch.equal(got, ref)
+    specialized = dg.plan(m, widths, k, torch.cuda.get_device_properties(0).multi_processor_count)["WS"]
+    if variant == "WS" and specialized and dg.tma_loads_apply(x_q, [w for w, _ in weights]):
+        assert _warp_specialized_kernels(), "WS was asked for and planned, but no warp-specialized kernel was built"
     graph, outs = _captured(run)
     fresh = (torch.randn(m, k, generator=g) * 3).to("cuda", torch.bfloat16)
     q, s = quantize_fp8_groups(fresh)
@@ -325,6 +329,13 @@ def test_launch_variants_give_the_bits_of_the_plain_launch(m, widths, k, variant
         monkeypatch.setitem(dg.LAUNCH, key, 0)
     for got, ref in zip(outs, run()):
         assert torch.equal(got, ref)
+
+
+def _warp_specialized_kernels() -> int:
+    """How many decode-GEMM kernels this process compiled with warp specialization (``setmaxnreg`` in PTX)."""
+    jit = load_jit("_triton_decode_gemm_jit")
+    return sum("setmaxnreg" in kernel.asm["ptx"] for caches in jit.fp8_decode_gemm_kernel.device_caches.values()
+               for kernel in caches[0].values())  # fmt: skip
 
 
 def test_tma_loads_need_a_gpu_and_aligned_rows():
