@@ -46,7 +46,7 @@ from ._triton_support import call_op, cdiv, check_scale_format, ensure_scratch_a
 
 __all__ = [
     "DECODE_MAX_M", "PROLOGUE_MAX_M", "fp8_decode_gemm_grouped", "fp8_decode_gemm_grouped_partials",
-    "fp8_decode_gemm_nt", "fp8_decode_gemm_partials", "fp8_decode_linear",
+    "fp8_decode_gemm_nt", "fp8_decode_gemm_partials", "fp8_decode_linear", "planned_splits",
 ]  # fmt: skip
 
 _FP8 = torch.float8_e4m3fn
@@ -188,6 +188,11 @@ def _launch(x: Tensor, x_s: Optional[Tensor], segments: list[tuple], scale_forma
             part, bias, out, m, n, out.stride(0), *rest[2:5], *rest[7:10],
             SPLITS=splits, HAS_BIAS=has_bias, BLOCK=REDUCE_BLOCK, SEGMENTS=len(segments), num_warps=4, **pdl,
         )  # fmt: skip
+
+
+def planned_splits(m: int, widths: Sequence[int], k: int, device: torch.device) -> int:
+    """The K splits a launch of these shapes runs on ``device`` (1: the kernel writes its outputs itself)."""
+    return plan(m, list(widths), k, sm_count(device))["SPLITS"]
 
 
 def tma_loads_apply(x_q: Optional[Tensor], weights: Sequence[Tensor]) -> bool:

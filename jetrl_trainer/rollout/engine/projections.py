@@ -73,7 +73,11 @@ class GroupedProjection:
     def split_sums(self, x: Tensor) -> SplitSums | GroupedSplitSums | None:
         """The group's output left as its split-K partial sums, for a consumer that reduces them itself:
         one projection's for the fused residual add + RMSNorm (`residual.py`), q/k/v's for the RoPE +
-        KV-append launch (``DecodeEngine.fused_qkv_reduce``); None where the launch cannot run."""
+        KV-append launch (``DecodeEngine.fused_qkv_reduce``); None where the launch cannot run, or for a
+        group whose launch does not split K (its outputs come in the model dtype with no reduction
+        launch to save, and FP32 sums would only be more bytes to read)."""
+        if len(self.modules) > 1 and not self._splits_k(x):
+            return None
         operands = self._operands(x)
         if operands is None:
             return None
@@ -84,6 +88,13 @@ class GroupedProjection:
             return GroupedSplitSums(parts, biases, [m.out_features for m in self.modules], x.dtype)
         parts = module.fp8_decode_gemm_partials(*pair, *weights[0])
         return SplitSums(parts, self.modules[0].bias, (*x.shape[:-1], parts.shape[-1]), x.dtype)
+
+    def _splits_k(self, x: Tensor) -> bool:
+        """Whether the group's decode launch for ``x`` splits K (False where it cannot run)."""
+        x2d = x.reshape(-1, x.shape[-1])
+        module = decode_gemm_module(x2d, self.max_rows)
+        widths = [m.out_features for m in self.modules]
+        return module is not None and module.planned_splits(x2d.shape[0], widths, x2d.shape[1], x.device) > 1
 
     def _operands(self, x: Tensor) -> tuple | None:
         """(decode-GEMM module, the activation's FP8 pair, the FP8 weights), or None."""
