@@ -141,8 +141,8 @@ VARIANTS = {
     # Decode attention in 64-position tiles, newest first (flash attention's order), as before the
     # engine matched the training forward's SDPA backend (oldest first, 128 positions under cuDNN).
     "flash64": dict(attention=dict(block_n=64, flash_order=True), fuse_qk_norms=True, min_groups_per_split=None),
-    # The q/k/v split-K reduction inside the RoPE + KV-append launch (DecodeEngine.fused_qkv_reduce, opt-in).
-    "fused_qkv": dict(attention={}, fuse_qk_norms=True, min_groups_per_split=None, fused_qkv=True),
+    # The q/k/v split-K reduction in a launch of its own, as before DecodeEngine.fused_qkv_reduce.
+    "unfused_qkv": dict(attention={}, fuse_qk_norms=True, min_groups_per_split=None, fused_qkv=False),
     # The sampler's draw through one (B, V) FP64 cumulative sum, as before the two-level draw.
     "one_level_sampler": dict(attention={}, fuse_qk_norms=True, min_groups_per_split=None, one_level_sampler=True),
 }
@@ -155,7 +155,7 @@ def new_engine(model, **kwargs) -> DecodeEngine:
     engine.look_ahead = VARIANT.get("look_ahead", True)
     engine.grouped_projections = VARIANT.get("grouped", True)
     engine.fused_epilogues = VARIANT.get("fused_epilogues", True)
-    engine.fused_qkv_reduce = VARIANT.get("fused_qkv", False)
+    engine.fused_qkv_reduce = VARIANT.get("fused_qkv", True)
     engine.programmatic_dependent_launch = VARIANT.get("pdl", False)
     if not VARIANT["fuse_qk_norms"]:
         engine.view.qk_norms = []  # the q/k norm modules run on their own, as before the fused launch
@@ -287,7 +287,7 @@ def kernel_breakdown(step, steps: int = 3) -> dict:
 
 
 PROFILED = ("bf16", "bf16_pdl", "fp8", "fp8_pdl", "fp8_qkv64", "fp8_unfused", "fp8_ungrouped", "fp8_general",
-            "fp8_fused_qkv")  # fmt: skip
+            "fp8_unfused_qkv")  # fmt: skip
 # Also accepted by --profile: "fp8_pdl_p<N>", fp8_pdl with the decode GEMMs prefetching N weight groups,
 # any name with "_cumsum" appended: the sampler's one-level draw (`one_level_draw`), and with
 # "_flash64": the attention arithmetic of the "flash64" variant.
@@ -328,7 +328,7 @@ def profile_step(model, batch: int, new: int, precisions: tuple[str, ...] = PROF
             engine.grouped_projections = precision != "fp8_ungrouped"
             engine.fused_epilogues = precision not in ("fp8_unfused", "fp8_ungrouped")
             engine.programmatic_dependent_launch = "_pdl" in precision
-            engine.fused_qkv_reduce = precision == "fp8_fused_qkv"
+            engine.fused_qkv_reduce = precision != "fp8_unfused_qkv"
             if precision == "fp8_qkv64":
                 limit_qkv_rows(engine, 64)
             v = engine.view
@@ -373,7 +373,7 @@ def main() -> None:
                     help=f"comma list of the engines the step profile covers ({', '.join(PROFILED)}): fp8_unfused "
                          "without the fused epilogues, fp8_ungrouped without those and the grouped launches, "
                          "fp8_general on the general GEMM path, fp8_qkv64 with q/k/v grouped up to 64 rows only, "
-                         "fp8_fused_qkv with the q/k/v split-K reduction in the RoPE launch; "
+                         "fp8_unfused_qkv with the q/k/v split-K reduction in a launch of its own; "
                          "any of them + '_cumsum': with the sampler's one-level FP64 cumulative sum, "
                          "+ '_flash64': with the flash64 variant's attention tiles")  # fmt: skip
     ap.add_argument("--kv-only", action="store_true", help="only the fixed-length engine runs, with an FP8 KV cache too")

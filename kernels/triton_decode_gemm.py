@@ -69,14 +69,16 @@ DECODE_MAX_M = 64
 # (Hopper and newer; the same bits). Off: on the H200 it won only q/k/v at M = 16 (8.22 against 8.50 us)
 # and never made the top four at M = 64 (docs/benchmarks.md §7, run 37).
 # SCALE_AHEAD: 1 loads the activation / weight scales one K group ahead (the jit module's doc); the
-# same bits. 0 (loads in place) until the H200 has timed it (bench_decode_gemm.py --sweep).
+# same bits (GPU test). H200, 8B shape, batch-64 decode step (run 46): the decode GEMMs 2.651 -> 2.627
+# ms, the step 5.106 -> 5.067 ms in replay; neutral at batch 256.
 # WS: 1 warp-specializes the K loop where Triton 3.6 builds that for sm_90 (`ws_applies`; with TMA
-# loads, so TMA=1 too, from descriptors the kernel builds). 0 until the H200 has timed it.
+# loads, so TMA=1 too, from descriptors the kernel builds). Off: the same bits, but in the run-46
+# step the decode GEMMs took 4.65 ms against 2.65 (docs/benchmarks.md §7).
 # FIT_WAVES: 1 picks the K split for one program per SM (what WS implies): the split count that
 # minimizes waves x groups per program (o_proj at M = 64: 2 splits, 128 programs in one wave of 16
 # groups, not 3 splits in two waves of 11); 0 plans WAVES co-resident programs per SM as above.
 LAUNCH = dict(BLOCK_N=64, WAVES=2, MIN_GROUPS_PER_SPLIT=4, SWAP_BELOW_M=64, num_warps=4, num_stages=3, MAX_BLOCK_M=64,
-              PREFETCH_GROUPS=2, TMA=0, SCALE_AHEAD=0, WS=0, FIT_WAVES=0)  # fmt: skip
+              PREFETCH_GROUPS=2, TMA=0, SCALE_AHEAD=1, WS=0, FIT_WAVES=0)  # fmt: skip
 # Up to this M a QuantLinear quantizes the activation in the GEMM's prologue. 0: never. Every N tile
 # re-quantizes its K slice, so on the H200 the prologue was slower than one act-quant launch plus
 # the prequantized GEMM at every decode M measured (1 to 64, Qwen3-8B shapes); it stays available

@@ -113,9 +113,9 @@ def _reference(x, w_q, w_s, bias=None, scale_format="fp32"):
     return y + bias.double() if bias is not None else y
 
 
-# shipped, never / always swapped, short splits, scales loaded a group ahead, warp-specialized
+# shipped, never / always swapped, short splits, scales loaded in place (before SCALE_AHEAD), warp-specialized
 LAUNCHES = [dict(), dict(SWAP_BELOW_M=0, BLOCK_N=128), dict(SWAP_BELOW_M=128, WAVES=4), dict(MIN_GROUPS_PER_SPLIT=1),
-            dict(SCALE_AHEAD=1), dict(TMA=1, WS=1)]  # fmt: skip
+            dict(SCALE_AHEAD=0), dict(TMA=1, WS=1)]  # fmt: skip
 
 
 @pytest.fixture(params=LAUNCHES, ids=lambda p: "-".join(f"{k}{v}" for k, v in p.items()))
@@ -275,7 +275,7 @@ def test_grouped_launch_computes_each_weight_and_is_deterministic(m, widths, k, 
 
 # name: (the plain launch's overrides, the variant's). A warp-specialized launch fits its K split to
 # one program per SM, so its plain counterpart does too (the same split, hence the same summation order).
-VARIANTS = {"TMA": ({}, dict(TMA=1)), "SCALE_AHEAD": ({}, dict(SCALE_AHEAD=1)),
+VARIANTS = {"TMA": ({}, dict(TMA=1)), "SCALE_AHEAD": (dict(SCALE_AHEAD=0), dict(SCALE_AHEAD=1)),
             "WS": (dict(FIT_WAVES=1), dict(FIT_WAVES=1, TMA=1, WS=1))}  # fmt: skip
 
 
