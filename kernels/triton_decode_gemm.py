@@ -232,7 +232,7 @@ def _decode_grouped_op(
 @torch.library.custom_op("jetrl::fp8_decode_gemm_partials", mutates_args=(), device_types="cuda")
 def _decode_partials_op(x_q: Tensor, x_s: Tensor, w_q: Tensor, w_s: Tensor) -> Tensor:
     m, n = x_q.shape[0], w_q.shape[0]
-    splits = plan(m, n, x_q.shape[1], sm_count(x_q.device))["SPLITS"]
+    splits = planned_splits(m, [n], x_q.shape[1], x_q.device)
     parts = torch.empty((splits, m, n), dtype=torch.float32, device=x_q.device)
     if m and n:
         empty = torch.empty((0,), dtype=torch.float32, device=x_q.device)
@@ -243,7 +243,7 @@ def _decode_partials_op(x_q: Tensor, x_s: Tensor, w_q: Tensor, w_s: Tensor) -> T
 @torch.library.custom_op("jetrl::fp8_decode_gemm_grouped_partials", mutates_args=(), device_types="cuda")
 def _decode_grouped_partials_op(x_q: Tensor, x_s: Tensor, w_qs: list[Tensor], w_ss: list[Tensor]) -> Tensor:
     m, widths = x_q.shape[0], [w_q.shape[0] for w_q in w_qs]
-    splits = plan(m, widths, x_q.shape[1], sm_count(x_q.device))["SPLITS"]
+    splits = planned_splits(m, widths, x_q.shape[1], x_q.device)
     parts = torch.empty((splits, m, sum(widths)), dtype=torch.float32, device=x_q.device)
     if m:
         empty = torch.empty((0,), dtype=torch.float32, device=x_q.device)
@@ -255,14 +255,14 @@ def _decode_grouped_partials_op(x_q: Tensor, x_s: Tensor, w_qs: list[Tensor], w_
 @_decode_grouped_partials_op.register_fake
 def _(x_q, x_s, w_qs, w_ss):
     m, widths = x_q.shape[0], [w_q.shape[0] for w_q in w_qs]
-    splits = plan(m, widths, x_q.shape[1], sm_count(x_q.device))["SPLITS"]
+    splits = planned_splits(m, widths, x_q.shape[1], x_q.device)
     return x_q.new_empty((splits, m, sum(widths)), dtype=torch.float32)
 
 
 @_decode_partials_op.register_fake
 def _(x_q, x_s, w_q, w_s):
     m, n = x_q.shape[0], w_q.shape[0]
-    splits = plan(m, n, x_q.shape[1], sm_count(x_q.device))["SPLITS"]
+    splits = planned_splits(m, [n], x_q.shape[1], x_q.device)
     return x_q.new_empty((splits, m, n), dtype=torch.float32)
 
 
@@ -381,8 +381,9 @@ def fp8_decode_gemm_grouped(
 def fp8_decode_gemm_grouped_partials(x_q: Tensor, x_s: Tensor, weights: Sequence[tuple[Tensor, Tensor]]) -> Tensor:
     """:func:`fp8_decode_gemm_grouped` without its split-K reduction and biases: the FP32 partial sums
     ``[S, M, N_0 + N_1 (+ N_2)]``, the weights' columns side by side (``S`` the planned K splits, 1 when
-    K is not split), for a consumer that reduces them itself (``triton_rope_append.rope_append``
-    with ``qkv_parts``: the q/k/v reduction inside the RoPE + KV-append launch). Summed in split
+    K is not split), for a consumer that reduces them itself
+    (``triton_rope_append.rope_append_from_partials``: the q/k/v reduction inside the RoPE + KV-append
+    launch). Summed in split
     order, plus each weight's bias, and rounded once, they give the bits of the grouped launch."""
     _check_group(x_q, x_s, weights)
     return call_op(_decode_grouped_partials_op, x_q, x_s, [w for w, _ in weights], [s for _, s in weights])

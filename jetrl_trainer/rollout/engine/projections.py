@@ -131,9 +131,7 @@ class SplitSums:
 
     def materialize(self) -> Tensor:
         """The output itself: the splits added in order (+ bias) and rounded once, as the GEMM's reduction."""
-        acc = self.parts[0].clone()
-        for part in self.parts[1:]:
-            acc += part
+        acc = _split_order_sum(self.parts)
         if self.bias is not None:
             acc += self.bias.float()
         return acc.to(self.dtype).view(self.shape)
@@ -151,10 +149,15 @@ class GroupedSplitSums:
 
     def materialize(self) -> list[Tensor]:
         """The outputs ``[M, width]``: the splits added in order (+ bias) and rounded once, as the GEMM's reduction."""
-        acc = self.parts[0].clone()
-        for part in self.parts[1:]:
-            acc += part
-        outs = list(acc.split(self.widths, dim=-1))
+        outs = list(_split_order_sum(self.parts).split(self.widths, dim=-1))
         if self.biases is not None:
             outs = [out + bias.float() for out, bias in zip(outs, self.biases)]
         return [out.to(self.dtype) for out in outs]
+
+
+def _split_order_sum(parts: Tensor) -> Tensor:
+    """``parts[0] + parts[1] + ...`` in FP32, added in split order as the GEMM's reduction adds them."""
+    acc = parts[0].clone()
+    for part in parts[1:]:
+        acc += part
+    return acc
