@@ -402,8 +402,6 @@ def main() -> None:
         if key not in dg.LAUNCH:
             raise SystemExit(f"--launch: {key!r} is not one of {', '.join(dg.LAUNCH)}")
         dg.LAUNCH[key] = int(value)
-    if dg.LAUNCH["WS"] and not dg.LAUNCH["TMA"]:
-        raise SystemExit("--launch: WS=1 warp-specializes the TMA loads; give TMA=1 too.")
     gbs = copy_bandwidth_gbs()
     model = build_model(args.layers)
     if args.profile_only:

@@ -21,17 +21,6 @@ pipeliner makes the FP8 tiles asynchronous copies but leaves the scale loads (``
 synchronous in the loop, where the scaling after each MMA waits on them: a global-memory latency
 per K group on every program's critical path (seen in the sm_90 TTGIR). Same values, same math,
 same bits. (Two groups ahead made Triton 3.6 drop the tiles' asynchronous copies: not offered.)
-
-``WS``: Triton's automatic warp specialization of the K loop: producer warps issue the TMA loads
-into a ring of ``num_stages`` buffers while the 4 warps of the default partition wait on the MMA and
-scale the sums, so a refill no longer waits for the previous group's scaling. Same math, same bits.
-Triton 3.6 documents it for Blackwell; for sm_90 it builds it (``setmaxnreg``, 12 warps, 168
-registers a thread: one program per SM) with TMA loads, a prequantized activation, 4 warps, no PDL,
-and tiles of 64 weight rows swapped or 64 activation rows by up to 128 weight rows; it fails to
-compile with 128-row activation tiles, 128 swapped weight rows or a quantizing prologue. It also
-needs no runtime branch before the loop, so under ``WS`` a grouped launch picks its segment with
-selects and builds the tile descriptors in the kernel (``tl.make_tensor_descriptor``, in global
-scratch) from that segment's pointers. ``plan`` turns it on only where it builds.
 """
 
 import triton
@@ -70,7 +59,6 @@ def _k_loop(
     offs_k, m_ok, rows_x, rows_w, n_groups, w_ptr, x_desc, w_desc,
     GROUPS_PER_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QUANTIZE: tl.constexpr,
     SWAP: tl.constexpr, WRITE_Q: tl.constexpr, UE8M0: tl.constexpr, TMA: tl.constexpr, SCALE_AHEAD: tl.constexpr,
-    WS: tl.constexpr,
 ):  # fmt: skip
     """The split's K groups: the FP32 tile ``(BLOCK_N, BLOCK_M)`` with ``SWAP``, else ``(BLOCK_M, BLOCK_N)``."""
     if SWAP:
@@ -82,7 +70,7 @@ def _k_loop(
         sa_next, sb_next = _group_scales(xs_ptr, ws_ptr, rows_x, rows_w, stride_xsm, stride_wsn, g0, m_ok, n_groups,
                                          QUANTIZE)  # fmt: skip
     # A static trip count (pipelines well); groups past K in the last split load nothing (masked).
-    for i in tl.range(GROUPS_PER_SPLIT, warp_specialize=WS):
+    for i in tl.range(GROUPS_PER_SPLIT):
         g = g0 + i
         g_ok = g < n_groups
         if SCALE_AHEAD:
@@ -133,7 +121,7 @@ def fp8_decode_gemm_kernel(
     QUANTIZE: tl.constexpr, SWAP: tl.constexpr, HAS_BIAS: tl.constexpr,
     WRITE_Q: tl.constexpr, UE8M0: tl.constexpr, SEGMENTS: tl.constexpr,
     PDL: tl.constexpr = False, PREFETCH_GROUPS: tl.constexpr = 0, TMA: tl.constexpr = False,
-    SCALE_AHEAD: tl.constexpr = 0, WS: tl.constexpr = False, PARTIALS: tl.constexpr = False,
+    SCALE_AHEAD: tl.constexpr = 0, PARTIALS: tl.constexpr = False,
 ):
     """``SEGMENTS`` > 1: one launch for two or three weights that share the activation (q/k/v,
     gate/up). Segment ``s`` (weight ``[N_s, K]`` contiguous, output ``[M, N_s]`` contiguous) owns
@@ -155,22 +143,7 @@ def fp8_decode_gemm_kernel(
     n_total = N
     col0 = pid_n * 0  # a tensor, not a constexpr: it is rebound inside a runtime branch
     segment = pid_n * 0  # which weight (TMA picks its descriptor by it)
-    if WS:  # the same choice without a branch: Triton specializes the loop only with none before it
-        if SEGMENTS > 1:
-            n_total = N + N1 + N2
-            tiles0 = tl.cdiv(N, BLOCK_N)
-            tiles1 = tl.cdiv(N1, BLOCK_N)
-            in1 = pid_n >= tiles0
-            in2 = pid_n >= tiles0 + tiles1  # never with two segments (the grid has no such tile)
-            pid_n = pid_n - tl.where(in1, tiles0, 0) - tl.where(in2, tiles1, 0)
-            col0 = tl.where(in1, N, 0) + tl.where(in2, N1, 0)
-            stride_om = tl.where(in2, N2, tl.where(in1, N1, stride_om))
-            w_ptr = tl.where(in2, w2_ptr, tl.where(in1, w1_ptr, w_ptr))
-            ws_ptr = tl.where(in2, ws2_ptr, tl.where(in1, ws1_ptr, ws_ptr))
-            bias_ptr = tl.where(in2, bias2_ptr, tl.where(in1, bias1_ptr, bias_ptr))
-            out_ptr = tl.where(in2, out2_ptr, tl.where(in1, out1_ptr, out_ptr))
-            N = tl.where(in2, N2, tl.where(in1, N1, N))
-    elif SEGMENTS > 1:  # find this tile's segment; rebind its operands (segment 0 keeps the arguments)
+    if SEGMENTS > 1:  # find this tile's segment; rebind its operands (segment 0 keeps the arguments)
         n_total = N + N1 + N2
         tiles0 = tl.cdiv(N, BLOCK_N)
         if pid_n >= tiles0:
@@ -198,30 +171,23 @@ def fp8_decode_gemm_kernel(
             prefetch_l2(w_ptr + rows_w * stride_wn + g * 128)
     pdl_enter(PDL)
 
-    if WS:  # descriptors built here from this segment's pointers (a host-built one cannot be chosen branch-free)
-        x_tiles = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[stride_xm, 1], block_shape=[BLOCK_M, 128])
-        w_tiles = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[stride_wn, 1], block_shape=[BLOCK_N, 128])
-        acc = _k_loop(x_ptr, xs_ptr, ws_ptr, xq_ptr, xqs_ptr, K, stride_xm, stride_xsm, stride_wn, stride_wsn, pid_n,
-                      pid_m, pid_k, offs_k, m_ok, rows_x, rows_w, n_groups, w_ptr, x_tiles, w_tiles,
-                      GROUPS_PER_SPLIT, BLOCK_M, BLOCK_N, QUANTIZE, SWAP, WRITE_Q, UE8M0, True,
-                      SCALE_AHEAD, WS)  # fmt: skip
     # A host-built descriptor is not rebound in a runtime branch like the pointers above: with TMA, one
     # loop per weight.
-    elif TMA and SEGMENTS > 1 and segment == 1:
+    if TMA and SEGMENTS > 1 and segment == 1:
         acc = _k_loop(x_ptr, xs_ptr, ws_ptr, xq_ptr, xqs_ptr, K, stride_xm, stride_xsm, stride_wn, stride_wsn, pid_n,
                       pid_m, pid_k, offs_k, m_ok, rows_x, rows_w, n_groups, w_ptr, x_desc, w1_desc,
                       GROUPS_PER_SPLIT, BLOCK_M, BLOCK_N, QUANTIZE, SWAP, WRITE_Q, UE8M0, TMA,
-                      SCALE_AHEAD, WS)  # fmt: skip
+                      SCALE_AHEAD)  # fmt: skip
     elif TMA and SEGMENTS > 2 and segment == 2:
         acc = _k_loop(x_ptr, xs_ptr, ws_ptr, xq_ptr, xqs_ptr, K, stride_xm, stride_xsm, stride_wn, stride_wsn, pid_n,
                       pid_m, pid_k, offs_k, m_ok, rows_x, rows_w, n_groups, w_ptr, x_desc, w2_desc,
                       GROUPS_PER_SPLIT, BLOCK_M, BLOCK_N, QUANTIZE, SWAP, WRITE_Q, UE8M0, TMA,
-                      SCALE_AHEAD, WS)  # fmt: skip
+                      SCALE_AHEAD)  # fmt: skip
     else:  # pointer loads (w_ptr is this segment's), or segment 0's descriptor
         acc = _k_loop(x_ptr, xs_ptr, ws_ptr, xq_ptr, xqs_ptr, K, stride_xm, stride_xsm, stride_wn, stride_wsn, pid_n,
                       pid_m, pid_k, offs_k, m_ok, rows_x, rows_w, n_groups, w_ptr, x_desc, w_desc,
                       GROUPS_PER_SPLIT, BLOCK_M, BLOCK_N, QUANTIZE, SWAP, WRITE_Q, UE8M0, TMA,
-                      SCALE_AHEAD, WS)  # fmt: skip
+                      SCALE_AHEAD)  # fmt: skip
     if SWAP:
         acc = tl.trans(acc)  # (BLOCK_M, BLOCK_N)
     out_mask = m_ok[:, None] & (offs_n[None, :] < N)

@@ -147,24 +147,3 @@ def pdl_launch(device: torch.device) -> dict:
         return {"PDL": False}
     index = device.index if device.index is not None else torch.cuda.current_device()
     return {"PDL": True, "launch_pdl": True} if _has_griddepcontrol(index) else {"PDL": False}
-
-
-def _scratch_buffer(size: int, alignment: int, stream) -> torch.Tensor:
-    """Global scratch for a Triton launch (device-side TMA descriptors), from torch's caching allocator:
-    inside a CUDA-graph capture it comes from the graph's pool."""
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
-def ensure_scratch_allocator() -> bool:
-    """Give Triton an allocator for kernels that build TMA descriptors on the device, unless the user set
-    one (Triton's default refuses every allocation). Triton keeps it per thread context. False where this
-    Triton has no such hook (private module; the caller then launches without device-side descriptors)."""
-    try:
-        from triton.runtime import _allocation
-
-        current = _allocation._allocator.get()
-        if isinstance(current, _allocation.NullAllocator):
-            _allocation.set_allocator(_scratch_buffer)
-    except (ImportError, AttributeError):
-        return False
-    return True

@@ -42,7 +42,7 @@ from torch import Tensor
 
 from jetrl_trainer._choices import FLOAT_DTYPES, check_choice
 
-from ._triton_support import call_op, cdiv, check_scale_format, ensure_scratch_allocator, load_jit, pdl_launch, sm_count
+from ._triton_support import call_op, cdiv, check_scale_format, load_jit, pdl_launch, sm_count
 
 __all__ = [
     "DECODE_MAX_M", "PROLOGUE_MAX_M", "fp8_decode_gemm_grouped", "fp8_decode_gemm_grouped_partials",
@@ -71,14 +71,16 @@ DECODE_MAX_M = 64
 # SCALE_AHEAD: 1 loads the activation / weight scales one K group ahead (the jit module's doc); the
 # same bits (GPU test). H200, 8B shape, batch-64 decode step (run 46): the decode GEMMs 2.651 -> 2.627
 # ms, the step 5.106 -> 5.067 ms in replay; neutral at batch 256.
-# WS: 1 warp-specializes the K loop where Triton 3.6 builds that for sm_90 (`ws_applies`; with TMA
-# loads, so TMA=1 too, from descriptors the kernel builds). Off: the same bits, but in the run-46
-# step the decode GEMMs took 4.65 ms against 2.65 (docs/benchmarks.md §7).
-# FIT_WAVES: 1 picks the K split for one program per SM (what WS implies): the split count that
-# minimizes waves x groups per program (o_proj at M = 64: 2 splits, 128 programs in one wave of 16
-# groups, not 3 splits in two waves of 11); 0 plans WAVES co-resident programs per SM as above.
+# BALANCE: 1 picks the K split by the busiest SM instead (`balanced_splits`): if the programs spread
+# evenly, an SM streams at most cdiv(programs, SMs) x groups-per-program K groups, and the WAVES rule
+# can leave some SMs a third program while others hold two (8B shape, M <= 64: q/k/v 3 splits = 288
+# programs, o and down 5 = 320). Balanced, those take 4 splits (384, 256, 256 programs: a busiest
+# SM's groups 33 -> 24, 21 -> 16, 60 -> 48); gate/up keep one. Not yet measured on a GPU: off.
+# Triton's automatic warp specialization of the K loop (TMA producer warps, one 12-warp program per SM)
+# kept the bits but made the batch-64 step's decode GEMMs 1.75x slower (2.65 -> 4.65 ms, run 46,
+# docs/benchmarks.md §7), so it was removed.
 LAUNCH = dict(BLOCK_N=64, WAVES=2, MIN_GROUPS_PER_SPLIT=4, SWAP_BELOW_M=64, num_warps=4, num_stages=3, MAX_BLOCK_M=64,
-              PREFETCH_GROUPS=2, TMA=0, SCALE_AHEAD=1, WS=0, FIT_WAVES=0)  # fmt: skip
+              PREFETCH_GROUPS=2, TMA=0, SCALE_AHEAD=1, BALANCE=0)  # fmt: skip
 # Up to this M a QuantLinear quantizes the activation in the GEMM's prologue. 0: never. Every N tile
 # re-quantizes its K slice, so on the H200 the prologue was slower than one act-quant launch plus
 # the prequantized GEMM at every decode M measured (1 to 64, Qwen3-8B shapes); it stays available
@@ -87,21 +89,18 @@ PROLOGUE_MAX_M = 0
 REDUCE_BLOCK = 1024
 
 
-def ws_applies(launch: dict, block_m: int, block_n: int, swap: bool) -> bool:
-    """Whether Triton 3.6 warp-specializes the K loop for sm_90 with these launch parameters: TMA loads,
-    4 warps, and tiles it was seen to build (offline sm_90 compiles, one to three weights): swapped
-    with 64 weight rows, or 64 activation rows with up to 128 weight rows. The caller also needs a
-    prequantized activation and no programmatic dependent launch (`_launch` checks those)."""
-    if not (launch["WS"] and launch["TMA"] and launch["num_warps"] == 4):
-        return False
-    return block_n == 64 and block_m <= 64 if swap else block_m == 64 and block_n <= 128
+def balanced_splits(tiles: int, groups: int, most: int, sms: int, waves: int) -> int:
+    """The K split (1 to ``most``) that leaves the busiest SM the fewest K groups to stream, with the
+    programs spread evenly over ``sms`` SMs: ``cdiv(programs, sms) x groups per program``. Among equals
+    the one whose program count is nearest ``waves`` per SM (enough loads in flight on every SM,
+    fewer partial sums than a finer split), then the fewer splits."""
 
+    def cost(asked: int) -> tuple[int, int, int]:
+        per = cdiv(groups, asked)
+        programs = tiles * cdiv(groups, per)
+        return cdiv(programs, sms) * per, abs(programs - waves * sms), asked
 
-def _waves_times_length(tiles: int, groups: int, splits: int, sms: int) -> int:
-    """The time of a launch of programs that each take a whole SM, in K groups: its waves times the
-    groups each program streams (``splits`` as asked; the plan rounds it to whole split lengths)."""
-    per_split = cdiv(groups, splits)
-    return cdiv(tiles * cdiv(groups, per_split), sms) * per_split
+    return min(range(1, most + 1), key=cost)
 
 
 def plan(m: int, n: int | Sequence[int], k: int, sms: int, launch: Optional[dict] = None) -> dict:
@@ -112,12 +111,11 @@ def plan(m: int, n: int | Sequence[int], k: int, sms: int, launch: Optional[dict
     block_n = launch["BLOCK_N"]
     widths = [n] if isinstance(n, int) else list(n)
     swap = block_m < launch["SWAP_BELOW_M"]
-    ws = ws_applies(launch, block_m, block_n, swap)
     tiles = sum(cdiv(w, block_n) for w in widths) * cdiv(m, block_m)
     groups = cdiv(k, 128)
     most = cdiv(groups, launch["MIN_GROUPS_PER_SPLIT"])
-    if ws or launch["FIT_WAVES"]:  # one program per SM: no co-resident program evens out a last wave
-        splits = min(range(1, most + 1), key=lambda s: _waves_times_length(tiles, groups, s, sms))
+    if launch["BALANCE"]:
+        splits = balanced_splits(tiles, groups, most, sms, launch["WAVES"])
     else:
         splits = max(1, min(most, cdiv(launch["WAVES"] * sms, tiles)))
     per_split = cdiv(groups, splits)
@@ -125,7 +123,7 @@ def plan(m: int, n: int | Sequence[int], k: int, sms: int, launch: Optional[dict
         BLOCK_M=block_m, BLOCK_N=block_n, GROUPS_PER_SPLIT=per_split, SPLITS=cdiv(groups, per_split),
         SWAP=swap, num_warps=launch["num_warps"], num_stages=launch["num_stages"],
         PREFETCH_GROUPS=min(launch["PREFETCH_GROUPS"], per_split), TMA=bool(launch["TMA"]),
-        SCALE_AHEAD=bool(launch["SCALE_AHEAD"]), WS=ws,
+        SCALE_AHEAD=bool(launch["SCALE_AHEAD"]),
     )
 
 
@@ -167,10 +165,6 @@ def _launch(x: Tensor, x_s: Optional[Tensor], segments: list[tuple], scale_forma
     rest += [w_q, w_s, bias, out, 0] * (3 - len(args))
     total = sum(widths)
     cfg["TMA"] = cfg["TMA"] and tma_loads_apply(x if x_s is not None else None, [w for w, *_ in segments])
-    # Warp specialization needs the TMA loads and a prequantized activation, and does not build with PDL.
-    cfg["WS"] = cfg["WS"] and cfg["TMA"] and not quantize and not pdl["PDL"] and ensure_scratch_allocator()
-    if cfg["WS"]:  # the kernel builds its descriptors itself (in global scratch), none from the host
-        cfg["TMA"] = False
     descriptors = _descriptors(x, x_s, [w for w, *_ in segments], cfg) if cfg["TMA"] else [x, w_q, w_q, w_q]
     grid = (sum(cdiv(w, cfg["BLOCK_N"]) for w in widths), splits, cdiv(m, cfg["BLOCK_M"]))
     if partials is not None:

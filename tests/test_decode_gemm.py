@@ -44,29 +44,34 @@ def test_plan_keeps_splits_long_enough_to_stream():
     assert dg.plan(16, 4096, 12288, sms=132)["SPLITS"] == 5  # down: long K, the waves decide
 
 
-def test_warp_specialization_is_planned_only_where_triton_builds_it_and_fits_its_split_to_the_waves():
-    ws = dict(TMA=1, WS=1)
-    # o_proj at M = 64: specialized; one program per SM, so the split fits the waves: 64 tiles x 2 splits
-    # = 128 programs in one wave of 16 groups (3 splits: 192 programs, two waves of 11 groups)
-    cfg = dg.plan(64, 4096, 4096, sms=132, launch=ws)
-    assert cfg["WS"] and (cfg["SPLITS"], cfg["GROUPS_PER_SPLIT"]) == (2, 16)
-    assert dg.plan(64, 4096, 4096, sms=132)["SPLITS"] == 5  # two co-resident programs per SM without it
-    # q/k/v at M = 64: 96 tiles; 4 splits = 384 programs, three waves of 8 groups (2 splits: two of 16)
-    assert dg.plan(64, [4096, 1024, 1024], 4096, sms=132, launch=ws)["SPLITS"] == 4
-    assert dg.plan(64, [4096, 1024, 1024], 4096, sms=132, launch=dict(FIT_WAVES=1))["SPLITS"] == 4  # without WS too
-    for m, n, k in [(1, 4096, 4096), (33, 1024, 4096), (64, 4096, 12288), (64, [12288, 12288], 4096), (16, 200, 300)]:
-        cfg = dg.plan(m, n, k, sms=132, launch=dict(FIT_WAVES=1))
-        groups, per, splits = math.ceil(k / 128), cfg["GROUPS_PER_SPLIT"], cfg["SPLITS"]
-        assert per * splits >= groups > per * (splits - 1) and per >= min(4, groups)  # every group once; not too short
-    assert dg.plan(16, 4096, 12288, sms=132, launch=ws)["WS"]
-    assert dg.plan(64, [4096, 1024, 1024], 4096, sms=132, launch=ws)["WS"]  # grouped too (in-kernel descriptors)
-    assert not dg.plan(64, 4096, 4096, sms=132, launch=dict(WS=1))["WS"]  # needs the TMA loads
-    assert not dg.plan(64, 4096, 4096, sms=132, launch=dict(ws, num_warps=8))["WS"]
-    assert not dg.plan(128, 4096, 4096, sms=132, launch=dict(ws, MAX_BLOCK_M=128))["WS"]  # 128-row tiles do not build
-    assert dg.plan(64, 4096, 4096, sms=132, launch=dict(ws, BLOCK_N=128))["WS"]
-    assert dg.plan(64, 4096, 4096, sms=132, launch=dict(ws, SWAP_BELOW_M=128))["WS"]  # swapped, 64 weight rows
-    assert not dg.plan(16, 4096, 4096, sms=132, launch=dict(ws, BLOCK_N=128))["WS"]  # swapped, 128: does not build
-    assert not dg.plan(64, 4096, 4096, sms=132)["WS"]  # off by default
+def _busiest_sm_groups(cfg, tiles, sms=132):
+    """K groups the busiest SM streams when the launch's programs spread evenly over ``sms`` SMs."""
+    return math.ceil(tiles * cfg["SPLITS"] / sms) * cfg["GROUPS_PER_SPLIT"]
+
+
+def test_balanced_plan_evens_the_sms_work_out():
+    """LAUNCH["BALANCE"]: the Qwen3-8B decode launches at M <= 64 (one M tile of 64-row N tiles) split
+    K so that no SM holds a third program while others hold two (q/k/v: 4 splits, not 3; o and down: 4,
+    not 5); gate/up keep one split. Over many shapes it never leaves the busiest SM more K groups than
+    the WAVES rule, covers every group once and keeps splits as long as the minimum asks."""
+    balance = dict(BALANCE=1)
+    for m in (1, 16, 64):
+        assert dg.plan(m, [4096, 1024, 1024], 4096, sms=132, launch=balance)["SPLITS"] == 4  # 384 programs of 8
+        assert dg.plan(m, 4096, 4096, sms=132, launch=balance)["SPLITS"] == 4  # o: 256 programs of 8
+        assert dg.plan(m, 4096, 12288, sms=132, launch=balance)["SPLITS"] == 4  # down: 256 programs of 24
+        assert dg.plan(m, [12288, 12288], 4096, sms=132, launch=balance)["SPLITS"] == 1
+    assert dg.plan(64, 4096, 12288, sms=132)["SPLITS"] == 5  # off by default
+    for m in (1, 16, 33, 64, 128, 256):
+        for widths, k in [([4096], 4096), ([1024], 4096), ([4096, 1024, 1024], 4096), ([12288, 12288], 4096),
+                          ([4096], 12288), ([200], 300), ([5120, 1024, 1024], 5120), ([2048], 8192)]:  # fmt: skip
+            for sms in (78, 114, 132):
+                launch = dict(MAX_BLOCK_M=64, BALANCE=1)
+                cfg, waves = dg.plan(m, widths, k, sms, launch), dg.plan(m, widths, k, sms, dict(launch, BALANCE=0))
+                tiles = sum(math.ceil(w / cfg["BLOCK_N"]) for w in widths) * math.ceil(m / cfg["BLOCK_M"])
+                groups, per, splits = math.ceil(k / 128), cfg["GROUPS_PER_SPLIT"], cfg["SPLITS"]
+                assert per * splits >= groups > per * (splits - 1)
+                assert per >= min(4, groups)
+                assert _busiest_sm_groups(cfg, tiles, sms) <= _busiest_sm_groups(waves, tiles, sms), (m, widths, k, sms)
 
 
 def test_dispatch_steps_aside_off_cuda_and_when_a_backend_is_forced(monkeypatch):
@@ -113,9 +118,10 @@ def _reference(x, w_q, w_s, bias=None, scale_format="fp32"):
     return y + bias.double() if bias is not None else y
 
 
-# shipped, never / always swapped, short splits, scales loaded in place (before SCALE_AHEAD), warp-specialized
+# shipped, never / always swapped, short splits, scales loaded in place (before SCALE_AHEAD), TMA loads,
+# the K split balanced over the SMs
 LAUNCHES = [dict(), dict(SWAP_BELOW_M=0, BLOCK_N=128), dict(SWAP_BELOW_M=128, WAVES=4), dict(MIN_GROUPS_PER_SPLIT=1),
-            dict(SCALE_AHEAD=0), dict(TMA=1, WS=1)]  # fmt: skip
+            dict(SCALE_AHEAD=0), dict(TMA=1), dict(BALANCE=1)]  # fmt: skip
 
 
 @pytest.fixture(params=LAUNCHES, ids=lambda p: "-".join(f"{k}{v}" for k, v in p.items()))
@@ -273,10 +279,8 @@ def test_grouped_launch_computes_each_weight_and_is_deterministic(m, widths, k, 
         assert relative_error(out, single) < 1e-5  # the same operands; only the K split may differ
 
 
-# name: (the plain launch's overrides, the variant's). A warp-specialized launch fits its K split to
-# one program per SM, so its plain counterpart does too (the same split, hence the same summation order).
-VARIANTS = {"TMA": ({}, dict(TMA=1)), "SCALE_AHEAD": (dict(SCALE_AHEAD=0), dict(SCALE_AHEAD=1)),
-            "WS": (dict(FIT_WAVES=1), dict(FIT_WAVES=1, TMA=1, WS=1))}  # fmt: skip
+# name: (the plain launch's overrides, the variant's).
+VARIANTS = {"TMA": ({}, dict(TMA=1)), "SCALE_AHEAD": (dict(SCALE_AHEAD=0), dict(SCALE_AHEAD=1))}
 
 
 @pytest.mark.gpu
@@ -286,11 +290,9 @@ VARIANTS = {"TMA": ({}, dict(TMA=1)), "SCALE_AHEAD": (dict(SCALE_AHEAD=0), dict(
 def test_launch_variants_give_the_bits_of_the_plain_launch(m, widths, k, variant, monkeypatch):
     """LAUNCH["TMA"]: weight and activation tiles through tensor descriptors; operands TMA cannot
     address (rows not 16-byte aligned) keep pointer loads. LAUNCH["SCALE_AHEAD"]: the scales loaded
-    one K group early. LAUNCH["WS"] (with TMA): the K loop warp-specialized, its descriptors built in
-    the kernel, where `plan` allows it (the quantizing prologue runs unspecialized). Each eagerly and
-    replayed in a CUDA graph on a fresh activation."""
+    one K group early. Each eagerly and replayed in a CUDA graph on a fresh activation."""
     _need_kernel()
-    if variant in ("TMA", "WS") and torch.cuda.get_device_capability()[0] < 9:
+    if variant == "TMA" and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("TMA needs sm_90+")
     g = torch.Generator().manual_seed(m + k)
     x = (torch.randn(m, k, generator=g) * 3).to("cuda", torch.bfloat16)
@@ -315,9 +317,6 @@ def test_launch_variants_give_the_bits_of_the_plain_launch(m, widths, k, variant
         assert dg.tma_loads_apply(x_q, [w for w, _ in weights]) == (k % 16 == 0)
     for got, ref in zip(run(), want):
         assert torch.equal(got, ref)
-    specialized = dg.plan(m, widths, k, torch.cuda.get_device_properties(0).multi_processor_count)["WS"]
-    if variant == "WS" and specialized and dg.tma_loads_apply(x_q, [w for w, _ in weights]):
-        assert _warp_specialized_kernels(), "WS was asked for and planned, but no warp-specialized kernel was built"
     graph, outs = _captured(run)
     fresh = (torch.randn(m, k, generator=g) * 3).to("cuda", torch.bfloat16)
     q, s = quantize_fp8_groups(fresh)
@@ -329,13 +328,6 @@ def test_launch_variants_give_the_bits_of_the_plain_launch(m, widths, k, variant
         monkeypatch.setitem(dg.LAUNCH, key, 0)
     for got, ref in zip(outs, run()):
         assert torch.equal(got, ref)
-
-
-def _warp_specialized_kernels() -> int:
-    """How many decode-GEMM kernels this process compiled with warp specialization (``setmaxnreg`` in PTX)."""
-    jit = load_jit("_triton_decode_gemm_jit")
-    return sum("setmaxnreg" in kernel.asm["ptx"] for caches in jit.fp8_decode_gemm_kernel.device_caches.values()
-               for kernel in caches[0].values())  # fmt: skip
 
 
 def test_tma_loads_need_a_gpu_and_aligned_rows():

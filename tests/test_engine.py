@@ -570,6 +570,74 @@ def test_split_sums_materialize_as_the_gemms_reduction():
     assert torch.equal(sums.materialize(), expected.view(2, 2, 8))
 
 
+class _EmulatedDecodeModule:
+    """``kernels/triton_decode_gemm`` for CPU: the partials ops emulated (K split into ``splits`` pieces,
+    FP32 sums of the dequantized operands), a plan of ``splits``; counts how often it was looked up."""
+
+    def __init__(self, splits: int) -> None:
+        self.splits, self.lookups = splits, 0
+
+    def planned_splits(self, m, widths, k, device):
+        return self.splits
+
+    def _parts(self, x_q, x_s, w_q, w_s):
+        from jetrl_trainer.quant.fp8 import dequantize_fp8_blocks, dequantize_fp8_groups
+
+        x, w = dequantize_fp8_groups(x_q, x_s), dequantize_fp8_blocks(w_q, w_s)
+        pieces = zip(x.chunk(self.splits, dim=1), w.chunk(self.splits, dim=1))
+        return torch.stack([xk @ wk.t() for xk, wk in pieces])
+
+    def fp8_decode_gemm_partials(self, x_q, x_s, w_q, w_s):
+        return self._parts(x_q, x_s, w_q, w_s)
+
+    def fp8_decode_gemm_grouped_partials(self, x_q, x_s, weights):
+        return torch.cat([self._parts(x_q, x_s, *w) for w in weights], dim=-1)
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+@pytest.mark.parametrize("bias", [False, True])
+def test_grouped_projection_leaves_split_sums_where_its_launch_splits_k(splits, bias, monkeypatch):
+    """``GroupedProjection.split_sums``: q/k/v leave their split sums only where the launch splits K (one
+    split: None, the outputs come reduced); a group of one (o, down) always; none under autograd or
+    for a BF16 recipe. The decode kernel is looked up once per call. Materialized, the sums are each
+    module's FP8 product (+ bias)."""
+    from torch import nn
+
+    from jetrl_trainer.quant.linear import QuantLinear
+    from jetrl_trainer.rollout.engine import projections
+    from jetrl_trainer.rollout.engine.projections import GroupedProjection, GroupedSplitSums, SplitSums
+
+    module = _EmulatedDecodeModule(splits)
+
+    def lookup(x2d, max_rows):
+        module.lookups += 1
+        return module
+
+    monkeypatch.setattr(projections, "decode_gemm_module", lookup)
+    torch.manual_seed(0)
+    linears = [QuantLinear.from_linear(nn.Linear(256, n, bias=bias), {"train": "fp8", "rollout": "fp8"})
+               for n in (128, 64, 64)]  # fmt: skip
+    x = torch.randn(3, 1, 256)
+    qkv, o = GroupedProjection.of(linears), GroupedProjection.of(linears[:1])
+    with torch.no_grad(), precision_phase("rollout"):
+        grouped, single = qkv.split_sums(x), o.split_sums(x)
+        wanted = [m(x) for m in linears]
+    assert module.lookups == 2
+    assert isinstance(single, SplitSums) and single.parts.shape == (splits, 3, 128)
+    assert torch.allclose(single.materialize(), wanted[0], atol=1e-5)
+    if splits == 1:
+        assert grouped is None
+    else:
+        assert isinstance(grouped, GroupedSplitSums) and grouped.parts.shape == (2, 3, 256)
+        for got, want in zip(grouped.materialize(), wanted):
+            assert torch.allclose(got.view(want.shape), want, atol=1e-5)
+    with precision_phase("rollout"):  # autograd on (the weights want gradients): the training path
+        assert o.split_sums(x) is None
+    bf16 = GroupedProjection.of([QuantLinear.from_linear(nn.Linear(256, 64), {"train": "bf16", "rollout": "bf16"})])
+    with torch.no_grad(), precision_phase("rollout"):
+        assert bf16.split_sums(x) is None
+
+
 def test_residual_stream_fuses_each_add_into_the_next_norm_that_offers_it():
     from torch import nn
 

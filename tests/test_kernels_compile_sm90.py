@@ -65,7 +65,7 @@ def test_decode_gemm_compiles_with_wgmma_and_tma_where_asked(tma, scale_ahead, b
     jit = importlib.import_module("jetrl_trainer.kernels._triton_decode_gemm_jit")
     constexprs = dict(GROUPS_PER_SPLIT=4, SPLITS=2, BLOCK_M=block_m, BLOCK_N=block_n, QUANTIZE=False, SWAP=swap,
                       HAS_BIAS=False, WRITE_Q=False, UE8M0=False, SEGMENTS=segments, PDL=False, PREFETCH_GROUPS=0,
-                      TMA=tma, SCALE_AHEAD=scale_ahead, WS=False, PARTIALS=False)  # fmt: skip
+                      TMA=tma, SCALE_AHEAD=scale_ahead, PARTIALS=False)  # fmt: skip
     ptx = _compile(jit.fp8_decode_gemm_kernel, _gemm_pointers(tma, block_m, block_n), constexprs,
                    launch=dict(num_warps=4, num_stages=3))  # fmt: skip
     assert "wgmma" in ptx
@@ -73,32 +73,6 @@ def test_decode_gemm_compiles_with_wgmma_and_tma_where_asked(tma, scale_ahead, b
     # Pointer loads stay pipelined (asynchronous copies into shared memory): two scale look-aheads
     # made Triton 3.6 load the tiles synchronously instead.
     assert tma or "cp.async.cg.shared.global" in ptx
-    assert "setmaxnreg" not in ptx  # not warp-specialized
-
-
-@pytest.mark.parametrize("scale_ahead", [0, 1])
-@pytest.mark.parametrize("tiles", [{}, dict(BLOCK_N=128), dict(SWAP_BELOW_M=128)])
-@pytest.mark.parametrize("m, widths, k", [(16, (4096,), 4096), (64, (4096,), 4096), (64, (4096,), 12288),
-                                          (33, (1024,), 4096), (64, (4096, 1024, 1024), 4096), (16, (12288, 12288), 4096)])
-def test_decode_gemm_is_warp_specialized_where_the_plan_asks(m, widths, k, tiles, scale_ahead):
-    """LAUNCH["WS"]: every launch `plan` marks for warp specialization builds as one for sm_90 (producer
-    and consumer warps with redistributed registers), one weight or a grouped launch (its segment
-    chosen by selects, its TMA descriptors built in the kernel), as a split (partial sums) or a direct
-    launch."""
-    from jetrl_trainer.kernels import triton_decode_gemm as dg
-
-    jit = importlib.import_module("jetrl_trainer.kernels._triton_decode_gemm_jit")
-    cfg = dg.plan(m, widths, k, sms=132, launch=dict(tiles, TMA=1, WS=1, SCALE_AHEAD=scale_ahead))
-    if not cfg["WS"]:
-        assert tiles.get("BLOCK_N") == 128 and cfg["SWAP"]  # the one tile here the plan leaves unspecialized
-        return
-    launch = dict(num_warps=cfg.pop("num_warps"), num_stages=cfg.pop("num_stages"))
-    cfg["TMA"] = False  # as _launch passes it: no host-built descriptors
-    constexprs = dict(cfg, QUANTIZE=False, HAS_BIAS=cfg["SPLITS"] == 1, WRITE_Q=False, UE8M0=False,
-                      SEGMENTS=len(widths), PDL=False, PREFETCH_GROUPS=0, PARTIALS=False)  # fmt: skip
-    ptx = _compile(jit.fp8_decode_gemm_kernel, _gemm_pointers(False, cfg["BLOCK_M"], cfg["BLOCK_N"]), constexprs,
-                   launch=launch)  # fmt: skip
-    assert "setmaxnreg" in ptx and "wgmma" in ptx and "cp.async.bulk.tensor" in ptx and "tensormap" in ptx
 
 
 @pytest.mark.parametrize("partials", [False, True])
@@ -108,7 +82,7 @@ def test_one_split_grouped_launch_stores_its_partials_only_where_asked(partials)
     jit = importlib.import_module("jetrl_trainer.kernels._triton_decode_gemm_jit")
     constexprs = dict(GROUPS_PER_SPLIT=4, SPLITS=1, BLOCK_M=16, BLOCK_N=64, QUANTIZE=False, SWAP=True, HAS_BIAS=True,
                       WRITE_Q=False, UE8M0=False, SEGMENTS=3, PDL=False, PREFETCH_GROUPS=0, TMA=False,
-                      SCALE_AHEAD=False, WS=False, PARTIALS=partials)  # fmt: skip
+                      SCALE_AHEAD=False, PARTIALS=partials)  # fmt: skip
     ptx = _compile(jit.fp8_decode_gemm_kernel, _gemm_pointers(False, 16, 64), constexprs,
                    launch=dict(num_warps=4, num_stages=3))  # fmt: skip
     assert "wgmma" in ptx

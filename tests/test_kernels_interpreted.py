@@ -107,14 +107,12 @@ def _reference_gemm(x_q, x_s, w_q, w_s):
 GEMMS = [(5, [200], 400), (16, [256, 64, 64], 512), (33, [128, 192], 384), (64, [130], 256), (16, [256, 64, 64], 2048)]
 
 
-@pytest.mark.parametrize("variant", ["TMA", "SCALE_AHEAD", "WS"])
+@pytest.mark.parametrize("variant", ["TMA", "SCALE_AHEAD"])
 @pytest.mark.parametrize("m, widths, k", GEMMS)
 def test_decode_gemm_launch_variants_give_the_bits_of_the_plain_launch(m, widths, k, variant, monkeypatch):
     """LAUNCH["TMA"]: the same tiles through tensor descriptors (rows and groups past the operand read
     as zeros). LAUNCH["SCALE_AHEAD"]: each K group's scales loaded one iteration early (the last
-    iteration's look-ahead past K reads nothing). LAUNCH["WS"] (with TMA): the interpreter runs the
-    loop unspecialized, so this checks the host side and the selects of a grouped launch, against a
-    plain launch with the same K split (FIT_WAVES).
+    iteration's look-ahead past K reads nothing).
     Single and grouped launches, swapped (M < 64) and not, ragged M, N and K, with and without biases
     (in a grouped launch each segment adds its own); for SCALE_AHEAD also the quantizing prologue."""
     from jetrl_trainer.kernels import triton_decode_gemm as dg
@@ -130,9 +128,6 @@ def test_decode_gemm_launch_variants_give_the_bits_of_the_plain_launch(m, widths
     assert plan["SPLITS"] > 1 or plan["GROUPS_PER_SPLIT"] > 1  # the look-ahead crosses a group boundary
 
     def run(value: int) -> list[torch.Tensor]:
-        if variant == "WS":  # a warp-specialized launch fits its split to the waves: so does its plain counterpart
-            monkeypatch.setitem(dg.LAUNCH, "FIT_WAVES", 1)
-            monkeypatch.setitem(dg.LAUNCH, "TMA", value)
         monkeypatch.setitem(dg.LAUNCH, variant, value)
         if len(weights) == 1:
             outs = [dg._decode_linear_op._init_fn(x_q, x_s, *weights[0], None, "fp32", torch.float32, False)[0]]
@@ -290,26 +285,6 @@ def test_requant_transpose_packed_words_give_the_byte_paths_bits(monkeypatch, sh
     assert qt_p.shape == qt_b.shape == shape[::-1]
     assert torch.equal(qt_p.view(torch.uint8), qt_b.view(torch.uint8)) and torch.equal(st_p, st_b)
     assert qt_b.view(torch.uint8).any()  # not an all-zero agreement
-
-
-def test_scratch_allocator_is_given_to_triton_only_when_none_was_set():
-    """WS launches build TMA descriptors in global scratch: Triton gets a torch allocator, unless the user set one."""
-    import contextvars
-
-    from triton.runtime import _allocation
-
-    from jetrl_trainer.kernels import _triton_support
-
-    def run(preset):
-        _allocation.set_allocator(preset)
-        assert _triton_support.ensure_scratch_allocator()
-        return _allocation._allocator.get()
-
-    def mine(size, alignment, stream):
-        return torch.empty(size, dtype=torch.int8)
-
-    assert contextvars.copy_context().run(run, _allocation.NullAllocator()) is _triton_support._scratch_buffer
-    assert contextvars.copy_context().run(run, mine) is mine
 
 
 # Triton's interpreter rounds FP32 -> BF16 toward zero where the GPU rounds to nearest even (2.6856

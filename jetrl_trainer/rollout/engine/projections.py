@@ -76,40 +76,44 @@ class GroupedProjection:
         KV-append launch (``DecodeEngine.fused_qkv_reduce``); None where the launch cannot run, or for a
         group whose launch does not split K (its outputs come in the model dtype with no reduction
         launch to save, and FP32 sums would only be more bytes to read)."""
-        if len(self.modules) > 1 and not self._splits_k(x):
+        launch = self._launch(x)
+        if launch is None:
             return None
-        operands = self._operands(x)
-        if operands is None:
+        module, recipes = launch
+        x2d = x.reshape(-1, x.shape[-1])
+        widths = [m.out_features for m in self.modules]
+        if len(self.modules) > 1 and module.planned_splits(x2d.shape[0], widths, x2d.shape[1], x.device) == 1:
             return None
-        module, pair, weights = operands
+        module, pair, weights = self._operands(x, launch)
         if len(self.modules) > 1:
             parts = module.fp8_decode_gemm_grouped_partials(*pair, weights)
             biases = [m.bias for m in self.modules] if self.modules[0].bias is not None else None
-            return GroupedSplitSums(parts, biases, [m.out_features for m in self.modules], x.dtype)
+            return GroupedSplitSums(parts, biases, widths, x.dtype)
         parts = module.fp8_decode_gemm_partials(*pair, *weights[0])
         return SplitSums(parts, self.modules[0].bias, (*x.shape[:-1], parts.shape[-1]), x.dtype)
 
-    def _splits_k(self, x: Tensor) -> bool:
-        """Whether the group's decode launch for ``x`` splits K (False where it cannot run)."""
-        x2d = x.reshape(-1, x.shape[-1])
-        module = decode_gemm_module(x2d, self.max_rows)
-        widths = [m.out_features for m in self.modules]
-        return module is not None and module.planned_splits(x2d.shape[0], widths, x2d.shape[1], x.device) > 1
-
-    def _operands(self, x: Tensor) -> tuple | None:
-        """(decode-GEMM module, the activation's FP8 pair, the FP8 weights), or None."""
-        phase = current_phase()
-        recipes = [m.recipes[phase] for m in self.modules]
+    def _launch(self, x: Tensor) -> tuple | None:
+        """(decode-GEMM module, the modules' FP8 recipes) where the group's launch can run on ``x``, else None."""
+        recipes = [m.recipes[current_phase()] for m in self.modules]
         if not all(isinstance(r, FP8Recipe) for r in recipes) or len({r.scale_format for r in recipes}) != 1:
             return None
-        x2d = x.reshape(-1, x.shape[-1])
-        module = decode_gemm_module(x2d, self.max_rows)
+        module = decode_gemm_module(x.reshape(-1, x.shape[-1]), self.max_rows)
         if module is None:
             return None
         if torch.is_grad_enabled() and (x.requires_grad or any(m.weight.requires_grad for m in self.modules)):
             return None  # a rollout runs without autograd; a training forward keeps its own path
-        pair = act_quant_fp8(x2d, recipes[0].scale_format)  # serves a fused producer's pair when offered
+        return module, recipes
+
+    def _operands(self, x: Tensor, launch: tuple | None = None) -> tuple | None:
+        """(decode-GEMM module, the activation's FP8 pair, the FP8 weights), or None; ``launch``: what
+        `_launch` already returned for ``x``."""
+        launch = launch if launch is not None else self._launch(x)
+        if launch is None:
+            return None
+        module, recipes = launch
+        pair = act_quant_fp8(x.reshape(-1, x.shape[-1]), recipes[0].scale_format)  # serves a fused producer's pair
         weights = [m.quantized_weight(r) for m, r in zip(self.modules, recipes)]
+        phase = current_phase()
         for r in recipes:
             record_gemm(phase, r.name)
         return module, pair, weights
