@@ -115,7 +115,7 @@ def measure_grouped(m: int, widths: tuple[int, ...], k: int, gbs: float) -> dict
 
 
 SWEEP_KEYS = ("BLOCK_N", "WAVES", "SWAP_BELOW_M", "num_warps", "num_stages", "MIN_GROUPS_PER_SPLIT", "MAX_BLOCK_M",
-              "PREFETCH_GROUPS", "PDL", "TMA", "SCALE_AHEAD", "BALANCE")  # fmt: skip
+              "PREFETCH_GROUPS", "PDL", "TMA", "SCALE_AHEAD", "BALANCE", "PREFETCH_AHEAD")  # fmt: skip
 # PDL is not a LAUNCH key: 1 runs the timed launches under kernels.programmatic_dependent_launch().
 
 
@@ -138,7 +138,7 @@ def sweep(ms: list[int], gbs: float, grouped: bool = False, grid_override: dict 
     shipped_launch = dict(dg.LAUNCH)
     base = dict(shipped_launch, PDL=0)
     keys = SWEEP_KEYS
-    shipped = (base["MAX_BLOCK_M"],), (base["PREFETCH_GROUPS"],), (0,), (base["TMA"],), (base["SCALE_AHEAD"],), (base["BALANCE"],)
+    shipped = tuple((base[key],) for key in keys[6:])  # the keys past the six swept: shipped values (PDL off)
     axes = dict(zip(keys, ((64, 128), (1, 2, 4), (0, 128), (4,), (3, 4), (1, 4), *shipped)))
     if grouped:  # always swapped (the shipped choice below 64 rows); split lengths around the shipped 4
         axes = dict(zip(keys, ((64, 128), (1, 2, 4), (128,), (4,), (3, 4), (2, 4, 8), *shipped)))

@@ -290,7 +290,9 @@ PROFILED = ("bf16", "bf16_pdl", "fp8", "fp8_pdl", "fp8_qkv64", "fp8_unfused", "f
             "fp8_unfused_qkv")  # fmt: skip
 # Also accepted by --profile: "fp8_pdl_p<N>", fp8_pdl with the decode GEMMs prefetching N weight groups,
 # any name with "_cumsum" appended: the sampler's one-level draw (`one_level_draw`), and with
-# "_flash64": the attention arithmetic of the "flash64" variant.
+# "_flash64": the attention arithmetic of the "flash64" variant. Any name may end in launch overrides,
+# "@KEY=V" each: keys of triton_decode_gemm.LAUNCH, or "attention.KEY" for triton_decode_attention.LAUNCH
+# ("fp8@BALANCE=1", "bf16@attention.PREFETCH_NEXT=1"), so one process profiles several launches.
 
 
 @contextlib.contextmanager
@@ -301,6 +303,33 @@ def _launch_setting(key: str, value):
         yield
     finally:
         dg.LAUNCH[key] = saved
+
+
+def split_overrides(name: str) -> tuple[str, dict, dict]:
+    """``"fp8@BALANCE=1@attention.PREFETCH_NEXT=1"`` -> ``("fp8", {"BALANCE": 1}, {"PREFETCH_NEXT": 1})``."""
+    base, *parts = name.split("@")
+    gemm, attention = {}, {}
+    for part in parts:
+        key, _, value = part.partition("=")
+        table, key = (attention, key.removeprefix("attention.")) if key.startswith("attention.") else (gemm, key)
+        if not value or (table is gemm and key not in dg.LAUNCH) or (table is attention and key not in attention_kernel.LAUNCH):
+            raise SystemExit(f"--profile: {part!r} in {name!r} is not KEY=V with KEY in triton_decode_gemm.LAUNCH "
+                             "or attention.KEY with KEY in triton_decode_attention.LAUNCH")  # fmt: skip
+        table[key] = int(value)
+    return base, gemm, attention
+
+
+@contextlib.contextmanager
+def _launch_overrides(gemm: dict, attention: dict):
+    saved = dict(dg.LAUNCH), dict(attention_kernel.LAUNCH)
+    dg.LAUNCH.update(gemm)
+    attention_kernel.LAUNCH.update(attention)
+    try:
+        yield
+    finally:
+        for table, before in zip((dg.LAUNCH, attention_kernel.LAUNCH), saved):
+            table.clear()
+            table.update(before)
 
 
 def profile_step(model, batch: int, new: int, precisions: tuple[str, ...] = PROFILED) -> dict:
@@ -315,15 +344,17 @@ def profile_step(model, batch: int, new: int, precisions: tuple[str, ...] = PROF
     config = GenerationConfig(max_new_tokens=new, do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
     general = "scaled_mm" if "scaled_mm" in available_gemm_backends("cuda") else "triton"
     for name in precisions:
-        precision = name.removesuffix("_cumsum").removesuffix("_flash64")
+        base, gemm_launch, attention_launch = split_overrides(name)
+        precision = base.removesuffix("_cumsum").removesuffix("_flash64")
         forced = use_gemm_backend(general) if precision == "fp8_general" else contextlib.nullcontext()
         prefetch = dg.LAUNCH["PREFETCH_GROUPS"]
         if precision.startswith("fp8_pdl_p"):
             prefetch = int(precision.removeprefix("fp8_pdl_p"))
         with torch.no_grad(), precision_phase("train" if precision.startswith("bf16") else "rollout"), forced, \
-                _launch_setting("PREFETCH_GROUPS", prefetch), sampler_draw(name.endswith("_cumsum")):  # fmt: skip
+                _launch_setting("PREFETCH_GROUPS", prefetch), sampler_draw(base.endswith("_cumsum")), \
+                _launch_overrides(gemm_launch, attention_launch):  # fmt: skip
             engine = DecodeEngine(model)
-            if "_flash64" in name:
+            if "_flash64" in base:
                 engine.attention_options.update(VARIANTS["flash64"]["attention"])
             engine.grouped_projections = precision != "fp8_ungrouped"
             engine.fused_epilogues = precision not in ("fp8_unfused", "fp8_ungrouped")
@@ -402,10 +433,12 @@ def main() -> None:
         if key not in dg.LAUNCH:
             raise SystemExit(f"--launch: {key!r} is not one of {', '.join(dg.LAUNCH)}")
         dg.LAUNCH[key] = int(value)
+    profiled = tuple(args.profile.split(","))
+    for name in profiled:  # a typo fails now, not after the model is built
+        split_overrides(name)
     gbs = copy_bandwidth_gbs()
     model = build_model(args.layers)
     if args.profile_only:
-        profiled = tuple(args.profile.split(","))
         profile = {f"b{b}": profile_step(model, b, args.new, profiled) for b in map(int, args.batches.split(","))}
         dump(dict(benchmark="rollout_profile", env=environment(), layers=args.layers, decode_max_m=dg.DECODE_MAX_M,
                   launch=dict(dg.LAUNCH), attention_launch=dict(attention_kernel.LAUNCH), step_profile=profile))  # fmt: skip

@@ -15,6 +15,12 @@ times scale·log2(e), normalized by a reciprocal); without it, tiles run oldest 
 scaled scores and a division, the order cuDNN's attention sums in. With one split of the training
 kernel's tile size, either reproduces that kernel's output on all but a few in 10,000 elements
 (``benchmarks/probe_attention_bits.py``).
+``PREFETCH_NEXT``: each tile step first asks L2 for the next tile's K and V lines
+(``prefetch.global.L2``). With ``LOOP_STAGES = 2`` Triton keeps one shared-memory buffer per K and V
+tile, so a program issues the next tile's copies only after this tile's P·V and then waits on them:
+the DRAM latency is exposed once per tile. The hint starts that fetch a whole tile step earlier, into
+L2, without registers or shared memory. Positions are clamped into the row's live range; the
+arithmetic is untouched (the same bits).
 ``QUANT``: the output's 1×128 FP8 quantization (one group per head, ``D`` = 128) is written too, from
 the rounded output, by the functions of ``_triton_quant_jit`` (the bits of ``quantize_fp8_groups``
 of the ``[B, H·D]`` output): the o projection's activation quant costs no launch of its own.
@@ -23,7 +29,7 @@ of the ``[B, H·D]`` output): the o projection's activation quant costs no launc
 import triton
 import triton.language as tl
 
-from jetrl_trainer.kernels._triton_quant_jit import _amax, _fp8_bits, _scale_from_amax, pdl_enter
+from jetrl_trainer.kernels._triton_quant_jit import _amax, _fp8_bits, _scale_from_amax, pdl_enter, prefetch_l2
 
 
 @triton.jit
@@ -73,6 +79,17 @@ def _attend_tile(q, m_i, l_i, acc, t0, end, d, k_base, v_base, ks_ptr, vs_ptr, s
 
 
 @triton.jit
+def _prefetch_tile(base, t0, end, stride_t, BLOCK_N: tl.constexpr, D: tl.constexpr):
+    """Hint: the 128-byte lines of the ``BLOCK_N`` positions from ``t0`` into L2 (positions clamped into
+    ``[0, end)``, so every address is a cached one of this row; nothing for rows under one line)."""
+    LINE: tl.constexpr = 1024 // base.dtype.element_ty.primitive_bitwidth  # elements per 128-byte line
+    LINES: tl.constexpr = D // LINE
+    if LINES > 0:
+        t = tl.minimum(tl.maximum(t0 + tl.arange(0, BLOCK_N), 0), tl.maximum(end - 1, 0))
+        prefetch_l2(base + t[:, None] * stride_t + (tl.arange(0, LINES) * LINE)[None, :])
+
+
+@triton.jit
 def decode_attention_split_kernel(
     q_ptr, k_ptr, v_ptr, slots_ptr, lengths_ptr, pads_ptr, m_ptr, l_ptr, acc_ptr, ks_ptr, vs_ptr, out_ptr,
     oq_ptr, os_ptr, scale, scale_log2,
@@ -86,7 +103,7 @@ def decode_attention_split_kernel(
     GROUPS: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, KV_FP8: tl.constexpr, FLASH_ORDER: tl.constexpr, DIRECT: tl.constexpr,
     H: tl.constexpr, QUANT: tl.constexpr, UE8M0: tl.constexpr, PDL: tl.constexpr = False,
-    HAS_PADS: tl.constexpr = False, LOOP_STAGES: tl.constexpr = 1,
+    HAS_PADS: tl.constexpr = False, LOOP_STAGES: tl.constexpr = 1, PREFETCH_NEXT: tl.constexpr = 0,
 ):  # fmt: skip
     pdl_enter(PDL)
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -111,8 +128,13 @@ def decode_attention_split_kernel(
     for i in tl.range(0, n_tiles, num_stages=LOOP_STAGES):
         if FLASH_ORDER:  # newest tile first, as flash attention walks a causal row
             t0 = start + (n_tiles - 1 - i) * BLOCK_N
+            t_next = t0 - BLOCK_N
         else:
             t0 = start + i * BLOCK_N
+            t_next = t0 + BLOCK_N
+        if PREFETCH_NEXT:
+            _prefetch_tile(k_base, t_next, end, stride_kt, BLOCK_N, D)
+            _prefetch_tile(v_base, t_next, end, stride_vt, BLOCK_N, D)
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, t0, end, d, k_base, v_base, ks_ptr, vs_ptr, scale_base,
                                      stride_kt, stride_vt, scale, scale_log2, BLOCK_N, PRECISION, KV_FP8,
                                      FLASH_ORDER)  # fmt: skip

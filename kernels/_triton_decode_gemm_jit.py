@@ -21,6 +21,13 @@ pipeliner makes the FP8 tiles asynchronous copies but leaves the scale loads (``
 synchronous in the loop, where the scaling after each MMA waits on them: a global-memory latency
 per K group on every program's critical path (seen in the sm_90 TTGIR). Same values, same math,
 same bits. (Two groups ahead made Triton 3.6 drop the tiles' asynchronous copies: not offered.)
+
+``PREFETCH_AHEAD`` (k > 0): each iteration also asks L2 for the weight lines of the group k ahead
+(``prefetch.global.L2``: no register, no shared memory, no result). The pipeline keeps
+``num_stages - 1`` weight tiles in flight per program; a short, narrow launch (q/k/v, o at decode)
+then has too few bytes in flight to cover DRAM latency, and the hint adds k tiles more without
+occupying what limits the programs per SM. Addresses stay inside the weight (clamped to its last
+group); the arithmetic is untouched, so the bits are the same.
 """
 
 import triton
@@ -59,6 +66,7 @@ def _k_loop(
     offs_k, m_ok, rows_x, rows_w, n_groups, w_ptr, x_desc, w_desc,
     GROUPS_PER_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QUANTIZE: tl.constexpr,
     SWAP: tl.constexpr, WRITE_Q: tl.constexpr, UE8M0: tl.constexpr, TMA: tl.constexpr, SCALE_AHEAD: tl.constexpr,
+    PREFETCH_AHEAD: tl.constexpr,
 ):  # fmt: skip
     """The split's K groups: the FP32 tile ``(BLOCK_N, BLOCK_M)`` with ``SWAP``, else ``(BLOCK_M, BLOCK_N)``."""
     if SWAP:
@@ -66,6 +74,8 @@ def _k_loop(
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     g0 = pid_k * GROUPS_PER_SPLIT
+    for i in tl.static_range(PREFETCH_AHEAD):  # the groups the loop's own hints start past
+        prefetch_l2(w_ptr + rows_w * stride_wn + tl.minimum(g0 + i, n_groups - 1) * 128)
     if SCALE_AHEAD:  # the next group's scales, loaded one iteration early (see the module doc)
         sa_next, sb_next = _group_scales(xs_ptr, ws_ptr, rows_x, rows_w, stride_xsm, stride_wsn, g0, m_ok, n_groups,
                                          QUANTIZE)  # fmt: skip
@@ -73,6 +83,8 @@ def _k_loop(
     for i in tl.range(GROUPS_PER_SPLIT):
         g = g0 + i
         g_ok = g < n_groups
+        if PREFETCH_AHEAD > 0:  # a hint for a later iteration's weight lines (see the module doc)
+            prefetch_l2(w_ptr + rows_w * stride_wn + tl.minimum(g + PREFETCH_AHEAD, n_groups - 1) * 128)
         if SCALE_AHEAD:
             sa, sb = sa_next, sb_next
             sa_next, sb_next = _group_scales(xs_ptr, ws_ptr, rows_x, rows_w, stride_xsm, stride_wsn, g + 1, m_ok,
@@ -121,7 +133,7 @@ def fp8_decode_gemm_kernel(
     QUANTIZE: tl.constexpr, SWAP: tl.constexpr, HAS_BIAS: tl.constexpr,
     WRITE_Q: tl.constexpr, UE8M0: tl.constexpr, SEGMENTS: tl.constexpr,
     PDL: tl.constexpr = False, PREFETCH_GROUPS: tl.constexpr = 0, TMA: tl.constexpr = False,
-    SCALE_AHEAD: tl.constexpr = 0, PARTIALS: tl.constexpr = False,
+    SCALE_AHEAD: tl.constexpr = 0, PARTIALS: tl.constexpr = False, PREFETCH_AHEAD: tl.constexpr = 0,
 ):
     """``SEGMENTS`` > 1: one launch for two or three weights that share the activation (q/k/v,
     gate/up). Segment ``s`` (weight ``[N_s, K]`` contiguous, output ``[M, N_s]`` contiguous) owns
@@ -177,17 +189,17 @@ def fp8_decode_gemm_kernel(
         acc = _k_loop(x_ptr, xs_ptr, ws_ptr, xq_ptr, xqs_ptr, K, stride_xm, stride_xsm, stride_wn, stride_wsn, pid_n,
                       pid_m, pid_k, offs_k, m_ok, rows_x, rows_w, n_groups, w_ptr, x_desc, w1_desc,
                       GROUPS_PER_SPLIT, BLOCK_M, BLOCK_N, QUANTIZE, SWAP, WRITE_Q, UE8M0, TMA,
-                      SCALE_AHEAD)  # fmt: skip
+                      SCALE_AHEAD, PREFETCH_AHEAD)  # fmt: skip
     elif TMA and SEGMENTS > 2 and segment == 2:
         acc = _k_loop(x_ptr, xs_ptr, ws_ptr, xq_ptr, xqs_ptr, K, stride_xm, stride_xsm, stride_wn, stride_wsn, pid_n,
                       pid_m, pid_k, offs_k, m_ok, rows_x, rows_w, n_groups, w_ptr, x_desc, w2_desc,
                       GROUPS_PER_SPLIT, BLOCK_M, BLOCK_N, QUANTIZE, SWAP, WRITE_Q, UE8M0, TMA,
-                      SCALE_AHEAD)  # fmt: skip
+                      SCALE_AHEAD, PREFETCH_AHEAD)  # fmt: skip
     else:  # pointer loads (w_ptr is this segment's), or segment 0's descriptor
         acc = _k_loop(x_ptr, xs_ptr, ws_ptr, xq_ptr, xqs_ptr, K, stride_xm, stride_xsm, stride_wn, stride_wsn, pid_n,
                       pid_m, pid_k, offs_k, m_ok, rows_x, rows_w, n_groups, w_ptr, x_desc, w_desc,
                       GROUPS_PER_SPLIT, BLOCK_M, BLOCK_N, QUANTIZE, SWAP, WRITE_Q, UE8M0, TMA,
-                      SCALE_AHEAD)  # fmt: skip
+                      SCALE_AHEAD, PREFETCH_AHEAD)  # fmt: skip
     if SWAP:
         acc = tl.trans(acc)  # (BLOCK_M, BLOCK_N)
     out_mask = m_ok[:, None] & (offs_n[None, :] < N)

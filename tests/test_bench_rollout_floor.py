@@ -31,3 +31,18 @@ def test_weight_bytes_count_linears_lm_head_and_norms_not_the_embedding_table(fp
     lm_head = model.lm_head.weight.numel() * 2
     assert norms > 0
     assert bench_rollout.weight_bytes(model, fp8) == projection + lm_head + norms
+
+
+def test_profile_names_carry_launch_overrides_for_both_kernels():
+    """``--profile fp8@BALANCE=1@attention.PREFETCH_NEXT=1``: one process profiles several launches; an
+    unknown key stops the benchmark before it builds the model."""
+    assert bench_rollout.split_overrides("fp8") == ("fp8", {}, {})
+    base, gemm, attention = bench_rollout.split_overrides("fp8_cumsum@BALANCE=1@attention.PREFETCH_NEXT=1")
+    assert (base, gemm, attention) == ("fp8_cumsum", {"BALANCE": 1}, {"PREFETCH_NEXT": 1})
+    for bad in ("fp8@NOPE=1", "fp8@attention.NOPE=1", "fp8@BALANCE"):
+        with pytest.raises(SystemExit, match="--profile"):
+            bench_rollout.split_overrides(bad)
+    saved = dict(bench_rollout.dg.LAUNCH), dict(bench_rollout.attention_kernel.LAUNCH)
+    with bench_rollout._launch_overrides({"BALANCE": 1}, {"PREFETCH_NEXT": 1}):
+        assert bench_rollout.dg.LAUNCH["BALANCE"] == 1 and bench_rollout.attention_kernel.LAUNCH["PREFETCH_NEXT"] == 1
+    assert (dict(bench_rollout.dg.LAUNCH), dict(bench_rollout.attention_kernel.LAUNCH)) == saved

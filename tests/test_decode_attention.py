@@ -137,6 +137,48 @@ def test_kernel_reads_only_live_positions_and_replays_in_a_graph():
 
 @pytest.mark.gpu
 @CUDA
+@pytest.mark.parametrize("kv_fp8", [False, True])
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("flash_order", [False, True])
+def test_next_tile_prefetch_keeps_the_bits(monkeypatch, flash_order, splits, kv_fp8):
+    """LAUNCH["PREFETCH_NEXT"]: the L2 hints for the next tile change no bit (padded rows, BF16 or FP8
+    caches, one split or several, both orders, the o projection's quant), eagerly and replayed in a
+    CUDA graph after the lengths moved."""
+    from jetrl_trainer.kernels import triton_decode_attention as kernel
+    from jetrl_trainer.quant.fp8 import quantize_fp8_groups
+
+    _need_triton()
+    q, k, v, slots, lengths = _inputs(6, 32, 8, 300, 128, 6, torch.bfloat16, device="cuda")
+    scales = {}
+    if kv_fp8:  # one scale per (slot, KV head, position), as KVCache(fp8=True) encodes them
+        (k, k_scale), (v, v_scale) = (quantize_fp8_groups(x, 128) for x in (k, v))
+        scales = dict(k_scale=k_scale[..., 0].contiguous(), v_scale=v_scale[..., 0].contiguous())
+    pads = torch.tensor([0, 1, 127, 128, 200, 5], device="cuda")
+    options = dict(splits=splits, block_n=128, flash_order=flash_order, pads=pads, quantize_output="fp32", **scales)
+
+    def run():  # the output, its FP8 bits and scales
+        out, out_q, out_s = decode_attention(q, k, v, slots, lengths, 0.088, **options)
+        return out, out_q.view(torch.uint8), out_s
+
+    monkeypatch.setitem(kernel.LAUNCH, "PREFETCH_NEXT", 0)
+    want = run()
+    monkeypatch.setitem(kernel.LAUNCH, "PREFETCH_NEXT", 1)
+    for got, ref in zip(run(), want):
+        assert torch.equal(got, ref)
+    run()  # warm-up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = run()
+    lengths.copy_((lengths - 7).clamp(min=1))
+    graph.replay()
+    monkeypatch.setitem(kernel.LAUNCH, "PREFETCH_NEXT", 0)
+    for got, ref in zip(outs, run()):
+        assert torch.equal(got, ref)
+
+
+@pytest.mark.gpu
+@CUDA
 @pytest.mark.parametrize("scale_format", ["fp32", "ue8m0"])
 @pytest.mark.parametrize("splits", [1, 3])
 def test_quantized_output_is_quantize_fp8_groups_of_the_output(splits, scale_format):

@@ -280,7 +280,8 @@ def test_grouped_launch_computes_each_weight_and_is_deterministic(m, widths, k, 
 
 
 # name: (the plain launch's overrides, the variant's).
-VARIANTS = {"TMA": ({}, dict(TMA=1)), "SCALE_AHEAD": (dict(SCALE_AHEAD=0), dict(SCALE_AHEAD=1))}
+VARIANTS = {"TMA": ({}, dict(TMA=1)), "SCALE_AHEAD": (dict(SCALE_AHEAD=0), dict(SCALE_AHEAD=1)),
+            "PREFETCH_AHEAD": (dict(PREFETCH_AHEAD=0), dict(PREFETCH_AHEAD=4))}  # fmt: skip
 
 
 @pytest.mark.gpu
@@ -290,7 +291,8 @@ VARIANTS = {"TMA": ({}, dict(TMA=1)), "SCALE_AHEAD": (dict(SCALE_AHEAD=0), dict(
 def test_launch_variants_give_the_bits_of_the_plain_launch(m, widths, k, variant, monkeypatch):
     """LAUNCH["TMA"]: weight and activation tiles through tensor descriptors; operands TMA cannot
     address (rows not 16-byte aligned) keep pointer loads. LAUNCH["SCALE_AHEAD"]: the scales loaded
-    one K group early. Each eagerly and replayed in a CUDA graph on a fresh activation."""
+    one K group early. LAUNCH["PREFETCH_AHEAD"]: L2 hints for the weight lines 4 groups ahead. Each
+    eagerly and replayed in a CUDA graph on a fresh activation."""
     _need_kernel()
     if variant == "TMA" and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("TMA needs sm_90+")

@@ -59,13 +59,15 @@ def _gemm_pointers(tma: bool, block_m: int, block_n: int) -> dict[str, str]:
     return types
 
 
-@pytest.mark.parametrize("tma, scale_ahead", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("tma, scale_ahead, prefetch_ahead", [(False, False, 0), (True, False, 0), (False, True, 0),
+                                                             (False, True, 4), (True, True, 2)])
 @pytest.mark.parametrize("block_m, block_n, swap, segments", [(16, 64, True, 3), (64, 64, False, 1), (64, 128, False, 2)])
-def test_decode_gemm_compiles_with_wgmma_and_tma_where_asked(tma, scale_ahead, block_m, block_n, swap, segments):
+def test_decode_gemm_compiles_with_wgmma_and_tma_where_asked(tma, scale_ahead, prefetch_ahead, block_m, block_n, swap,
+                                                             segments):  # fmt: skip
     jit = importlib.import_module("jetrl_trainer.kernels._triton_decode_gemm_jit")
     constexprs = dict(GROUPS_PER_SPLIT=4, SPLITS=2, BLOCK_M=block_m, BLOCK_N=block_n, QUANTIZE=False, SWAP=swap,
                       HAS_BIAS=False, WRITE_Q=False, UE8M0=False, SEGMENTS=segments, PDL=False, PREFETCH_GROUPS=0,
-                      TMA=tma, SCALE_AHEAD=scale_ahead, PARTIALS=False)  # fmt: skip
+                      TMA=tma, SCALE_AHEAD=scale_ahead, PARTIALS=False, PREFETCH_AHEAD=prefetch_ahead)  # fmt: skip
     ptx = _compile(jit.fp8_decode_gemm_kernel, _gemm_pointers(tma, block_m, block_n), constexprs,
                    launch=dict(num_warps=4, num_stages=3))  # fmt: skip
     assert "wgmma" in ptx
@@ -73,6 +75,7 @@ def test_decode_gemm_compiles_with_wgmma_and_tma_where_asked(tma, scale_ahead, b
     # Pointer loads stay pipelined (asynchronous copies into shared memory): two scale look-aheads
     # made Triton 3.6 load the tiles synchronously instead.
     assert tma or "cp.async.cg.shared.global" in ptx
+    assert ("prefetch.global.L2" in ptx) == bool(prefetch_ahead)  # PREFETCH_AHEAD's hints (PDL is off here)
 
 
 @pytest.mark.parametrize("partials", [False, True])
@@ -82,7 +85,7 @@ def test_one_split_grouped_launch_stores_its_partials_only_where_asked(partials)
     jit = importlib.import_module("jetrl_trainer.kernels._triton_decode_gemm_jit")
     constexprs = dict(GROUPS_PER_SPLIT=4, SPLITS=1, BLOCK_M=16, BLOCK_N=64, QUANTIZE=False, SWAP=True, HAS_BIAS=True,
                       WRITE_Q=False, UE8M0=False, SEGMENTS=3, PDL=False, PREFETCH_GROUPS=0, TMA=False,
-                      SCALE_AHEAD=False, PARTIALS=partials)  # fmt: skip
+                      SCALE_AHEAD=False, PARTIALS=partials, PREFETCH_AHEAD=0)  # fmt: skip
     ptx = _compile(jit.fp8_decode_gemm_kernel, _gemm_pointers(False, 16, 64), constexprs,
                    launch=dict(num_warps=4, num_stages=3))  # fmt: skip
     assert "wgmma" in ptx
@@ -192,23 +195,27 @@ _ATTENTION_POINTERS = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", slots_pt
 @pytest.mark.parametrize("direct, quant, flash_order, pads", [(True, True, False, True), (True, False, False, True),
                                                                (False, False, True, False), (True, True, True, True)])
 @pytest.mark.parametrize("kv_fp8", [False, True])
-def test_decode_attention_compiles_with_pipelined_tile_loads(direct, quant, flash_order, pads, kv_fp8):
+@pytest.mark.parametrize("prefetch_next", [0, 1])
+def test_decode_attention_compiles_with_pipelined_tile_loads(direct, quant, flash_order, pads, kv_fp8, prefetch_next):
     """The split kernel in the engine's launches (8B head layout: 4 query heads per KV head, 128-position
     tiles): BF16 or FP8 caches, cuDNN or flash order, one split writing the output (with the o
     projection's FP8 quant) or partials; the shipped ``LOOP_STAGES`` turns the tile loads into
-    asynchronous copies (what it exists for), and the query heads meet K and V in tensor-core MMAs."""
+    asynchronous copies (what it exists for), and the query heads meet K and V in tensor-core MMAs.
+    ``PREFETCH_NEXT`` adds the L2 hints and keeps the asynchronous copies."""
     from jetrl_trainer.kernels import triton_decode_attention as attention
 
     jit = importlib.import_module("jetrl_trainer.kernels._triton_decode_attention_jit")
-    launch = dict(attention.LAUNCH)
+    launch = dict(attention.LAUNCH, PREFETCH_NEXT=prefetch_next)
     constexprs = dict(GROUPS=4, G_PAD=16, D=128, BLOCK_N=128, PRECISION="tf32", KV_FP8=kv_fp8, FLASH_ORDER=flash_order,
                       DIRECT=direct, H=32, QUANT=quant, UE8M0=False, PDL=False, HAS_PADS=pads,
-                      LOOP_STAGES=launch.pop("LOOP_STAGES"))  # fmt: skip
-    ptx = _compile(jit.decode_attention_split_kernel, _ATTENTION_POINTERS, constexprs, floats=("scale", "scale_log2"),
+                      LOOP_STAGES=launch.pop("LOOP_STAGES"), PREFETCH_NEXT=launch.pop("PREFETCH_NEXT"))  # fmt: skip
+    pointers = dict(_ATTENTION_POINTERS, **(dict(k_ptr="*fp8e4nv", v_ptr="*fp8e4nv") if kv_fp8 else {}))
+    ptx = _compile(jit.decode_attention_split_kernel, pointers, constexprs, floats=("scale", "scale_log2"),
                    launch=launch)  # fmt: skip
     assert "mma.sync" in ptx
     assert constexprs["LOOP_STAGES"] < 2 or "cp.async.cg.shared.global" in ptx or "cp.async.ca.shared.global" in ptx
     assert ("cvt.rn.satfinite.e4m3x2.f32" in ptx) == quant  # the output's FP8 quant only where asked
+    assert ("prefetch.global.L2" in ptx) == bool(prefetch_next)
 
 
 @pytest.mark.parametrize("splits, quant", [(2, False), (3, True), (8, True)])
