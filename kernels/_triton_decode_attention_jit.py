@@ -21,6 +21,10 @@ tile, so a program issues the next tile's copies only after this tile's P·V and
 the DRAM latency is exposed once per tile. The hint starts that fetch a whole tile step earlier, into
 L2, without registers or shared memory. Positions are clamped into the row's live range; the
 arithmetic is untouched (the same bits).
+``REAL_ROWS``: phase 1 drops the rows the MMA's 16-row minimum padded the query heads with (12 of
+16 in an 8B layout) before it rounds, stores and quantizes its output (the sm_90 SASS of the shipped
+launch with ``QUANT``: 734 instructions per warp after the tile loop, 451 with it, mostly the IEEE
+divisions of the quant); the same values.
 ``QUANT``: the output's 1×128 FP8 quantization (one group per head, ``D`` = 128) is written too, from
 the rounded output, by the functions of ``_triton_quant_jit`` (the bits of ``quantize_fp8_groups``
 of the ``[B, H·D]`` output): the o projection's activation quant costs no launch of its own.
@@ -33,11 +37,35 @@ from jetrl_trainer.kernels._triton_quant_jit import _amax, _fp8_bits, _scale_fro
 
 
 @triton.jit
-def _store_output(o, out_ptr, oq_ptr, os_ptr, b, heads, d, h_ok, stride_ob, stride_oh, H: tl.constexpr,
-                  D: tl.constexpr, QUANT: tl.constexpr, UE8M0: tl.constexpr):  # fmt: skip
-    """Store the FP32 output rows ``o (heads, D)`` rounded to the output dtype, and with ``QUANT``
-    their FP8 quantization (``[B, H·D]`` bits, ``[B, H]`` scales: each head is one 128-group)."""
+def _top_half(x):
+    """The first half of the rows of ``x`` (2-D, an even row count)."""
+    top, _ = tl.split(tl.permute(tl.reshape(x, (2, x.shape[0] // 2, x.shape[1])), (1, 2, 0)))
+    return top
+
+
+@triton.jit
+def _leading_rows(x, ROWS: tl.constexpr):
+    """The first rows of ``x`` (a power of two of them, at least ``ROWS``): a tile's real query heads
+    without the rows the MMA's 16-row minimum padded it with (12 of 16 in an 8B layout)."""
+    for _ in tl.static_range(4):  # 16 rows -> 1 at most (wider tiles are not padded)
+        if x.shape[0] // 2 >= ROWS:
+            x = _top_half(x)
+    return x
+
+
+@triton.jit
+def _store_output(o, out_ptr, oq_ptr, os_ptr, b, head0, d, stride_ob, stride_oh, ROWS: tl.constexpr, H: tl.constexpr,
+                  D: tl.constexpr, QUANT: tl.constexpr, UE8M0: tl.constexpr, REAL_ROWS: tl.constexpr):  # fmt: skip
+    """Store the FP32 output rows ``o (rows, D)`` of heads ``head0 ..`` (the first ``ROWS`` real)
+    rounded to the output dtype, and with ``QUANT`` their FP8 quantization (``[B, H·D]`` bits,
+    ``[B, H]`` scales: each head is one 128-group). ``REAL_ROWS``: the padding rows are dropped first
+    (the quant's IEEE divisions cost as much on them as on real rows); the same values either way."""
+    if REAL_ROWS:
+        o = _leading_rows(o, ROWS)
     rounded = o.to(out_ptr.dtype.element_ty)
+    g = tl.arange(0, rounded.shape[0])
+    heads = head0 + g
+    h_ok = g < ROWS
     tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :], rounded, mask=h_ok[:, None])
     if QUANT:
         of = rounded.to(tl.float32)
@@ -104,6 +132,7 @@ def decode_attention_split_kernel(
     PRECISION: tl.constexpr, KV_FP8: tl.constexpr, FLASH_ORDER: tl.constexpr, DIRECT: tl.constexpr,
     H: tl.constexpr, QUANT: tl.constexpr, UE8M0: tl.constexpr, PDL: tl.constexpr = False,
     HAS_PADS: tl.constexpr = False, LOOP_STAGES: tl.constexpr = 1, PREFETCH_NEXT: tl.constexpr = 0,
+    REAL_ROWS: tl.constexpr = 0,
 ):  # fmt: skip
     pdl_enter(PDL)
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -143,7 +172,8 @@ def decode_attention_split_kernel(
             o = acc * (1.0 / l_i)[:, None]
         else:
             o = acc / l_i[:, None]
-        _store_output(o, out_ptr, oq_ptr, os_ptr, b, heads, d, g_ok, stride_ob, stride_oh, H, D, QUANT, UE8M0)
+        _store_output(o, out_ptr, oq_ptr, os_ptr, b, kvh * GROUPS, d, stride_ob, stride_oh, GROUPS, H, D, QUANT, UE8M0,
+                      REAL_ROWS)  # fmt: skip
         return
     row = b * stride_mb + heads * stride_mh + split
     tl.store(m_ptr + row, m_i, mask=g_ok)
@@ -175,6 +205,5 @@ def decode_attention_reduce_kernel(
     else:
         w = tl.where(m > float("-inf"), tl.exp(m - m_max), 0.0)  # empty splits weigh nothing
         out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
-    heads = h + tl.arange(0, 1)  # one head as a (1, D) row, so the output store is phase 1's
-    _store_output(out[None, :], out_ptr, oq_ptr, os_ptr, b, heads, d, heads < H, stride_ob, stride_oh, H, D, QUANT,
-                  UE8M0)  # fmt: skip
+    # one head as a (1, D) row, so the output store is phase 1's
+    _store_output(out[None, :], out_ptr, oq_ptr, os_ptr, b, h, d, stride_ob, stride_oh, 1, H, D, QUANT, UE8M0, False)

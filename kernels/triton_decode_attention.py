@@ -48,8 +48,9 @@ LOG2E = 1.4426950408889634
 # 66.6 -> 46.0 us at 256 with 2 stages against the earlier unpipelined loop, same bits; 3 stages and
 # 8 warps were slower.
 # PREFETCH_NEXT: 1 asks L2 for the next tile's K and V lines at the top of each tile step (the jit
-# module's doc); the same bits. Not yet measured on a GPU: off.
-LAUNCH = {"num_warps": 4, "LOOP_STAGES": 2, "PREFETCH_NEXT": 0}
+# module's doc); the same bits. REAL_ROWS: 1 drops the query-head padding rows before the output's
+# rounding, store and FP8 quant (the jit module's doc); the same bits. Neither measured on a GPU yet: off.
+LAUNCH = {"num_warps": 4, "LOOP_STAGES": 2, "PREFETCH_NEXT": 0, "REAL_ROWS": 0}
 
 # A split costs a partial write and a reduce; it pays only while rows x KV heads leave SMs idle
 # and each split still gets several tiles.

@@ -181,12 +181,16 @@ def test_next_tile_prefetch_keeps_the_bits(monkeypatch, flash_order, splits, kv_
 @CUDA
 @pytest.mark.parametrize("scale_format", ["fp32", "ue8m0"])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_quantized_output_is_quantize_fp8_groups_of_the_output(splits, scale_format):
+@pytest.mark.parametrize("real_rows", [0, 1])
+def test_quantized_output_is_quantize_fp8_groups_of_the_output(splits, scale_format, real_rows, monkeypatch):
     """``quantize_output``: the same output, and its 1x128 quantization (one group per head) bit for
-    bit, from phase 1 (one split) and from phase 2 (several)."""
+    bit, from phase 1 (one split) and from phase 2 (several); with LAUNCH["REAL_ROWS"] phase 1 drops
+    the query-head padding rows first."""
+    from jetrl_trainer.kernels import triton_decode_attention as kernel
     from jetrl_trainer.quant.fp8 import quantize_fp8_groups
 
     _need_triton()
+    monkeypatch.setitem(kernel.LAUNCH, "REAL_ROWS", real_rows)
     q, k, v, slots, lengths = _inputs(6, 32, 8, 300, 128, 6, torch.bfloat16, device="cuda")
     plain = decode_attention(q, k, v, slots, lengths, 0.088, splits=splits)
     out, out_q, out_s = decode_attention(q, k, v, slots, lengths, 0.088, splits=splits, quantize_output=scale_format)
@@ -194,6 +198,9 @@ def test_quantized_output_is_quantize_fp8_groups_of_the_output(splits, scale_for
     ref_q, ref_s = quantize_fp8_groups(out.reshape(6, -1), 128, scale_format=scale_format)
     assert out_q.shape == (6, 32 * 128) and out_s.shape == (6, 32)
     assert torch.equal(out_q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(out_s, ref_s)
+    if real_rows:  # the same output as with the padding rows kept
+        monkeypatch.setitem(kernel.LAUNCH, "REAL_ROWS", 0)
+        assert torch.equal(decode_attention(q, k, v, slots, lengths, 0.088, splits=splits), out)
 
 
 @pytest.mark.gpu

@@ -195,20 +195,22 @@ _ATTENTION_POINTERS = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", slots_pt
 @pytest.mark.parametrize("direct, quant, flash_order, pads", [(True, True, False, True), (True, False, False, True),
                                                                (False, False, True, False), (True, True, True, True)])
 @pytest.mark.parametrize("kv_fp8", [False, True])
-@pytest.mark.parametrize("prefetch_next", [0, 1])
-def test_decode_attention_compiles_with_pipelined_tile_loads(direct, quant, flash_order, pads, kv_fp8, prefetch_next):
+@pytest.mark.parametrize("prefetch_next, real_rows", [(0, 0), (1, 0), (0, 1)])
+def test_decode_attention_compiles_with_pipelined_tile_loads(direct, quant, flash_order, pads, kv_fp8, prefetch_next,
+                                                             real_rows):  # fmt: skip
     """The split kernel in the engine's launches (8B head layout: 4 query heads per KV head, 128-position
     tiles): BF16 or FP8 caches, cuDNN or flash order, one split writing the output (with the o
     projection's FP8 quant) or partials; the shipped ``LOOP_STAGES`` turns the tile loads into
     asynchronous copies (what it exists for), and the query heads meet K and V in tensor-core MMAs.
-    ``PREFETCH_NEXT`` adds the L2 hints and keeps the asynchronous copies."""
+    ``PREFETCH_NEXT`` adds the L2 hints and keeps the asynchronous copies; ``REAL_ROWS`` (the output's
+    query-head padding rows dropped) builds."""
     from jetrl_trainer.kernels import triton_decode_attention as attention
 
     jit = importlib.import_module("jetrl_trainer.kernels._triton_decode_attention_jit")
-    launch = dict(attention.LAUNCH, PREFETCH_NEXT=prefetch_next)
+    launch = dict(attention.LAUNCH, PREFETCH_NEXT=prefetch_next, REAL_ROWS=real_rows)
     constexprs = dict(GROUPS=4, G_PAD=16, D=128, BLOCK_N=128, PRECISION="tf32", KV_FP8=kv_fp8, FLASH_ORDER=flash_order,
                       DIRECT=direct, H=32, QUANT=quant, UE8M0=False, PDL=False, HAS_PADS=pads,
-                      LOOP_STAGES=launch.pop("LOOP_STAGES"), PREFETCH_NEXT=launch.pop("PREFETCH_NEXT"))  # fmt: skip
+                      **{key: launch.pop(key) for key in ("LOOP_STAGES", "PREFETCH_NEXT", "REAL_ROWS")})  # fmt: skip
     pointers = dict(_ATTENTION_POINTERS, **(dict(k_ptr="*fp8e4nv", v_ptr="*fp8e4nv") if kv_fp8 else {}))
     ptx = _compile(jit.decode_attention_split_kernel, pointers, constexprs, floats=("scale", "scale_log2"),
                    launch=launch)  # fmt: skip

@@ -100,6 +100,41 @@ def test_decode_attention_over_an_fp8_cache_dequantizes_as_the_reference():
     assert torch.allclose(out, ref, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("heads, kv_heads", [(8, 2), (6, 2), (2, 2)])
+@pytest.mark.parametrize("splits", [1, 2])
+@pytest.mark.parametrize("scale_format", ["fp32", "ue8m0"])
+def test_decode_attention_output_quant_with_and_without_its_padding_rows(heads, kv_heads, splits, scale_format,
+                                                                         monkeypatch):  # fmt: skip
+    """``quantize_output``: the output's 1x128 FP8 quantization is the act-quant kernel's of the output,
+    bit for bit, from phase 1 (one split) and from phase 2; the scales are ``quantize_fp8_groups``'s and
+    the output is the reference's. LAUNCH["REAL_ROWS"] (the MMA's padding rows dropped first: 4, 3 and 1
+    real query heads per KV head in 16 rows) gives the same output and quantization, bit for bit.
+    (Against the act-quant kernel, not torch: the interpreter's FP8 cast rounds some quotients
+    differently from the GPU's; the GPU test compares with torch.)"""
+    from jetrl_trainer.kernels import triton_decode_attention as kernel
+    from jetrl_trainer.kernels import triton_quant
+
+    g = torch.Generator().manual_seed(heads + splits)
+    q = torch.randn(3, heads, 128, generator=g)
+    k, v = torch.randn(4, kv_heads, 40, 128, generator=g), torch.randn(4, kv_heads, 40, 128, generator=g)
+    slots, lengths = torch.tensor([2, 0, 3]), torch.tensor([1, 33, 40])
+    results = []
+    for real_rows in (0, 1):
+        monkeypatch.setitem(kernel.LAUNCH, "REAL_ROWS", real_rows)
+        results.append(kernel._decode_attention_op._init_fn(q, k, v, slots, lengths, 0.09, splits, None, None, 16,
+                                                            False, scale_format, None))  # fmt: skip
+    (out, out_q, out_s), (real, real_q, real_s) = results
+    assert torch.equal(real, out) and torch.equal(real_q.view(torch.uint8), out_q.view(torch.uint8))
+    assert torch.equal(real_s, out_s)
+    ref = kernel.decode_attention_reference(q, k, v, slots, lengths, 0.09)
+    assert torch.allclose(out, ref, atol=1e-5, rtol=0)
+    flat = out.reshape(3, heads * 128)
+    want_q, want_s = triton_quant._act_quant_op._init_fn(flat, 128, scale_format, False)
+    assert torch.equal(out_q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(out_s, want_s)
+    assert torch.equal(out_s, quantize_fp8_groups(flat, 128, scale_format=scale_format)[1])
+    assert out_q.view(torch.uint8).any()
+
+
 def _reference_gemm(x_q, x_s, w_q, w_s):
     return dequantize_fp8_groups(x_q, x_s).double() @ dequantize_fp8_blocks(w_q, w_s).double().t()
 
