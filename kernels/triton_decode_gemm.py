@@ -78,7 +78,9 @@ DECODE_MAX_M = 64
 # SM's groups 33 -> 24, 21 -> 16, 60 -> 48); gate/up keep one. Not yet measured on a GPU: off.
 # PREFETCH_AHEAD: k > 0 asks L2 for the weight lines k K groups ahead in every iteration (the jit
 # module's doc): more weight bytes in flight per program than the pipeline's stages hold, the same
-# bits. Not yet measured on a GPU: off.
+# bits. Only launches that split K take it (the short q/k/v, o and down at decode): on the one-split
+# gate/up launch at 64 rows it took the registers from 168 to 178 a thread (sm_90), two programs per
+# SM instead of three. Not yet measured on a GPU: off.
 # Triton's automatic warp specialization of the K loop (TMA producer warps, one 12-warp program per SM)
 # kept the bits but made the batch-64 step's decode GEMMs 1.75x slower (2.65 -> 4.65 ms, run 46,
 # docs/benchmarks.md §7), so it was removed.
@@ -126,7 +128,8 @@ def plan(m: int, n: int | Sequence[int], k: int, sms: int, launch: Optional[dict
         BLOCK_M=block_m, BLOCK_N=block_n, GROUPS_PER_SPLIT=per_split, SPLITS=cdiv(groups, per_split),
         SWAP=swap, num_warps=launch["num_warps"], num_stages=launch["num_stages"],
         PREFETCH_GROUPS=min(launch["PREFETCH_GROUPS"], per_split), TMA=bool(launch["TMA"]),
-        SCALE_AHEAD=bool(launch["SCALE_AHEAD"]), PREFETCH_AHEAD=launch["PREFETCH_AHEAD"],
+        SCALE_AHEAD=bool(launch["SCALE_AHEAD"]),
+        PREFETCH_AHEAD=launch["PREFETCH_AHEAD"] if cdiv(groups, per_split) > 1 else 0,  # split launches only
     )
 
 

@@ -74,6 +74,16 @@ def test_balanced_plan_evens_the_sms_work_out():
                 assert _busiest_sm_groups(cfg, tiles, sms) <= _busiest_sm_groups(waves, tiles, sms), (m, widths, k, sms)
 
 
+def test_weight_prefetch_hints_go_to_split_launches_only():
+    """LAUNCH["PREFETCH_AHEAD"]: the short launches that split K take it; the one-split gate/up launch
+    (whose registers it would push to two programs per SM) does not; off by default."""
+    ahead = dict(PREFETCH_AHEAD=4)
+    assert dg.plan(64, [4096, 1024, 1024], 4096, sms=132, launch=ahead)["PREFETCH_AHEAD"] == 4
+    assert dg.plan(64, 4096, 12288, sms=132, launch=ahead)["PREFETCH_AHEAD"] == 4
+    assert dg.plan(64, [12288, 12288], 4096, sms=132, launch=ahead)["PREFETCH_AHEAD"] == 0
+    assert dg.plan(64, 4096, 12288, sms=132)["PREFETCH_AHEAD"] == 0
+
+
 def test_dispatch_steps_aside_off_cuda_and_when_a_backend_is_forced(monkeypatch):
     x = torch.randn(4, 256)
     w_q, w_s = quantize_fp8_blocks(torch.randn(128, 256))
