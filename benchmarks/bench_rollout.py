@@ -30,6 +30,7 @@ from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 from jetrl_trainer.kernels import available_gemm_backends, use_gemm_backend
 from jetrl_trainer.kernels import triton_decode_attention as attention_kernel
 from jetrl_trainer.kernels import triton_decode_gemm as dg
+from jetrl_trainer.kernels.launch_overrides import launch_overrides, parse_launch_overrides
 from jetrl_trainer.quant import QuantLinear, precision_phase, quantize_model
 from jetrl_trainer.rollout import generate_with_logprobs, left_pad, position_ids_from_mask
 from jetrl_trainer.rollout.engine import DecodeEngine
@@ -308,28 +309,10 @@ def _launch_setting(key: str, value):
 def split_overrides(name: str) -> tuple[str, dict, dict]:
     """``"fp8@BALANCE=1@attention.PREFETCH_NEXT=1"`` -> ``("fp8", {"BALANCE": 1}, {"PREFETCH_NEXT": 1})``."""
     base, *parts = name.split("@")
-    gemm, attention = {}, {}
-    for part in parts:
-        key, _, value = part.partition("=")
-        table, key = (attention, key.removeprefix("attention.")) if key.startswith("attention.") else (gemm, key)
-        if not value or (table is gemm and key not in dg.LAUNCH) or (table is attention and key not in attention_kernel.LAUNCH):
-            raise SystemExit(f"--profile: {part!r} in {name!r} is not KEY=V with KEY in triton_decode_gemm.LAUNCH "
-                             "or attention.KEY with KEY in triton_decode_attention.LAUNCH")  # fmt: skip
-        table[key] = int(value)
-    return base, gemm, attention
-
-
-@contextlib.contextmanager
-def _launch_overrides(gemm: dict, attention: dict):
-    saved = dict(dg.LAUNCH), dict(attention_kernel.LAUNCH)
-    dg.LAUNCH.update(gemm)
-    attention_kernel.LAUNCH.update(attention)
     try:
-        yield
-    finally:
-        for table, before in zip((dg.LAUNCH, attention_kernel.LAUNCH), saved):
-            table.clear()
-            table.update(before)
+        return (base, *parse_launch_overrides(parts))
+    except ValueError as exc:
+        raise SystemExit(f"--profile {name!r}: {exc}") from exc
 
 
 def profile_step(model, batch: int, new: int, precisions: tuple[str, ...] = PROFILED) -> dict:
@@ -352,7 +335,7 @@ def profile_step(model, batch: int, new: int, precisions: tuple[str, ...] = PROF
             prefetch = int(precision.removeprefix("fp8_pdl_p"))
         with torch.no_grad(), precision_phase("train" if precision.startswith("bf16") else "rollout"), forced, \
                 _launch_setting("PREFETCH_GROUPS", prefetch), sampler_draw(base.endswith("_cumsum")), \
-                _launch_overrides(gemm_launch, attention_launch):  # fmt: skip
+                launch_overrides(gemm_launch, attention_launch):  # fmt: skip
             engine = DecodeEngine(model)
             if "_flash64" in base:
                 engine.attention_options.update(VARIANTS["flash64"]["attention"])
