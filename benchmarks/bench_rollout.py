@@ -30,7 +30,7 @@ from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 from jetrl_trainer.kernels import available_gemm_backends, use_gemm_backend
 from jetrl_trainer.kernels import triton_decode_attention as attention_kernel
 from jetrl_trainer.kernels import triton_decode_gemm as dg
-from jetrl_trainer.kernels.launch_overrides import launch_overrides, parse_launch_overrides
+from jetrl_trainer.kernels.launch_overrides import apply_launch_overrides, launch_overrides, parse_launch_overrides
 from jetrl_trainer.quant import QuantLinear, precision_phase, quantize_model
 from jetrl_trainer.rollout import generate_with_logprobs, left_pad, position_ids_from_mask
 from jetrl_trainer.rollout.engine import DecodeEngine
@@ -401,21 +401,19 @@ def main() -> None:
     ap.add_argument("--decode-max-m", type=int, default=None,
                     help="rows up to which FP8 linears take the split-K decode kernel (triton_decode_gemm.DECODE_MAX_M)")
     ap.add_argument("--launch", default="",
-                    help="decode-kernel launch overrides, e.g. 'MAX_BLOCK_M=128;num_warps=8' (triton_decode_gemm.LAUNCH)")
+                    help="decode-kernel launch overrides, e.g. 'MAX_BLOCK_M=128;num_warps=8' (triton_decode_gemm.LAUNCH; "
+                         "'attention.KEY=V' for triton_decode_attention.LAUNCH)")  # fmt: skip
     ap.add_argument("--attention-launch", default="",
-                    help="decode-attention launch overrides, e.g. 'num_warps=8;num_stages=2' "
+                    help="decode-attention launch overrides, e.g. 'num_warps=8;LOOP_STAGES=1' "
                          "(triton_decode_attention.LAUNCH)")  # fmt: skip
     args = ap.parse_args()
-    for part in filter(None, (p.strip() for p in args.attention_launch.split(";"))):
-        key, _, value = part.partition("=")
-        attention_kernel.LAUNCH[key] = int(value)
+    attention_items = [f"attention.{item.strip()}" for item in args.attention_launch.split(";") if item.strip()]
+    try:
+        apply_launch_overrides(*parse_launch_overrides(args.launch.split(";") + attention_items))
+    except ValueError as exc:
+        raise SystemExit(f"--launch / --attention-launch: {exc}") from exc
     if args.decode_max_m:
         dg.DECODE_MAX_M = args.decode_max_m
-    for part in filter(None, (p.strip() for p in args.launch.split(";"))):
-        key, _, value = part.partition("=")
-        if key not in dg.LAUNCH:
-            raise SystemExit(f"--launch: {key!r} is not one of {', '.join(dg.LAUNCH)}")
-        dg.LAUNCH[key] = int(value)
     profiled = tuple(args.profile.split(","))
     for name in profiled:  # a typo fails now, not after the model is built
         split_overrides(name)
