@@ -23,8 +23,8 @@ L2, without registers or shared memory. Positions are clamped into the row's liv
 arithmetic is untouched (the same bits).
 ``REAL_ROWS``: phase 1 drops the rows the MMA's 16-row minimum padded the query heads with (12 of
 16 in an 8B layout) before it rounds, stores and quantizes its output (the sm_90 SASS of the shipped
-launch with ``QUANT``: 734 instructions per warp after the tile loop, 451 with it, mostly the IEEE
-divisions of the quant); the same values.
+launch with ``QUANT``: 734 instructions per warp after the tile loop, 451 with it; the quant's amax
+and IEEE divisions ran on every padded row); the same values.
 ``QUANT``: the output's 1×128 FP8 quantization (one group per head, ``D`` = 128) is written too, from
 the rounded output, by the functions of ``_triton_quant_jit`` (the bits of ``quantize_fp8_groups``
 of the ``[B, H·D]`` output): the o projection's activation quant costs no launch of its own.
