@@ -296,16 +296,6 @@ PROFILED = ("bf16", "bf16_pdl", "fp8", "fp8_pdl", "fp8_qkv64", "fp8_unfused", "f
 # ("fp8@BALANCE=1", "bf16@attention.PREFETCH_NEXT=1"), so one process profiles several launches.
 
 
-@contextlib.contextmanager
-def _launch_setting(key: str, value):
-    saved = dg.LAUNCH[key]
-    dg.LAUNCH[key] = value
-    try:
-        yield
-    finally:
-        dg.LAUNCH[key] = saved
-
-
 def split_overrides(name: str) -> tuple[str, dict, dict]:
     """``"fp8@BALANCE=1@attention.PREFETCH_NEXT=1"`` -> ``("fp8", {"BALANCE": 1}, {"PREFETCH_NEXT": 1})``."""
     base, *parts = name.split("@")
@@ -334,8 +324,8 @@ def profile_step(model, batch: int, new: int, precisions: tuple[str, ...] = PROF
         if precision.startswith("fp8_pdl_p"):
             prefetch = int(precision.removeprefix("fp8_pdl_p"))
         with torch.no_grad(), precision_phase("train" if precision.startswith("bf16") else "rollout"), forced, \
-                _launch_setting("PREFETCH_GROUPS", prefetch), sampler_draw(base.endswith("_cumsum")), \
-                launch_overrides(gemm_launch, attention_launch):  # fmt: skip
+                sampler_draw(base.endswith("_cumsum")), \
+                launch_overrides({"PREFETCH_GROUPS": prefetch, **gemm_launch}, attention_launch):  # fmt: skip
             engine = DecodeEngine(model)
             if "_flash64" in base:
                 engine.attention_options.update(VARIANTS["flash64"]["attention"])

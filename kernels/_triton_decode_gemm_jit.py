@@ -61,6 +61,12 @@ def _group_scales(xs_ptr, ws_ptr, rows_x, rows_w, stride_xsm, stride_wsn, g, m_o
 
 
 @triton.jit
+def _prefetch_weight_group(w_ptr, rows_w, stride_wn, g, n_groups):
+    """Hint: K group ``g``'s weight lines (one 128-byte line per row) into L2; ``g`` clamped to the last group."""
+    prefetch_l2(w_ptr + rows_w * stride_wn + tl.minimum(g, n_groups - 1) * 128)
+
+
+@triton.jit
 def _k_loop(
     x_ptr, xs_ptr, ws_ptr, xq_ptr, xqs_ptr, K, stride_xm, stride_xsm, stride_wn, stride_wsn, pid_n, pid_m, pid_k,
     offs_k, m_ok, rows_x, rows_w, n_groups, w_ptr, x_desc, w_desc,
@@ -75,7 +81,7 @@ def _k_loop(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     g0 = pid_k * GROUPS_PER_SPLIT
     for i in tl.static_range(PREFETCH_AHEAD):  # the groups the loop's own hints start past
-        prefetch_l2(w_ptr + rows_w * stride_wn + tl.minimum(g0 + i, n_groups - 1) * 128)
+        _prefetch_weight_group(w_ptr, rows_w, stride_wn, g0 + i, n_groups)
     if SCALE_AHEAD:  # the next group's scales, loaded one iteration early (see the module doc)
         sa_next, sb_next = _group_scales(xs_ptr, ws_ptr, rows_x, rows_w, stride_xsm, stride_wsn, g0, m_ok, n_groups,
                                          QUANTIZE)  # fmt: skip
@@ -84,7 +90,7 @@ def _k_loop(
         g = g0 + i
         g_ok = g < n_groups
         if PREFETCH_AHEAD > 0:  # a hint for a later iteration's weight lines (see the module doc)
-            prefetch_l2(w_ptr + rows_w * stride_wn + tl.minimum(g + PREFETCH_AHEAD, n_groups - 1) * 128)
+            _prefetch_weight_group(w_ptr, rows_w, stride_wn, g + PREFETCH_AHEAD, n_groups)
         if SCALE_AHEAD:
             sa, sb = sa_next, sb_next
             sa_next, sb_next = _group_scales(xs_ptr, ws_ptr, rows_x, rows_w, stride_xsm, stride_wsn, g + 1, m_ok,
@@ -179,8 +185,7 @@ def fp8_decode_gemm_kernel(
     n_groups = tl.cdiv(K, 128)
     if PDL:  # the weight is no other kernel's output: stream it before waiting (one 128-byte line per row)
         for i in tl.static_range(PREFETCH_GROUPS):  # at most GROUPS_PER_SPLIT (the host clamps it)
-            g = tl.minimum(pid_k * GROUPS_PER_SPLIT + i, n_groups - 1)
-            prefetch_l2(w_ptr + rows_w * stride_wn + g * 128)
+            _prefetch_weight_group(w_ptr, rows_w, stride_wn, pid_k * GROUPS_PER_SPLIT + i, n_groups)
     pdl_enter(PDL)
 
     # A host-built descriptor is not rebound in a runtime branch like the pointers above: with TMA, one

@@ -12,7 +12,6 @@ import torch
 
 from jetrl_trainer import kernels
 from jetrl_trainer.kernels import triton_decode_gemm as dg
-from jetrl_trainer.kernels._triton_support import load_jit
 from jetrl_trainer.quant import QuantLinear, precision_phase
 from jetrl_trainer.quant._dispatch import decode_linear_fp8
 from jetrl_trainer.quant.fp8 import dequantize_fp8_blocks, dequantize_fp8_groups, quantize_fp8_blocks, quantize_fp8_groups

@@ -79,7 +79,7 @@ class GroupedProjection:
         launch = self._launch(x)
         if launch is None:
             return None
-        module, recipes = launch
+        module = launch[0]
         x2d = x.reshape(-1, x.shape[-1])
         widths = [m.out_features for m in self.modules]
         if len(self.modules) > 1 and module.planned_splits(x2d.shape[0], widths, x2d.shape[1], x.device) == 1:
