@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import sys
 import time
 
 import torch
@@ -191,16 +192,14 @@ def sampler_draw(one_level: bool):
 @contextlib.contextmanager
 def engine_variant(name: str):
     global VARIANT
-    saved, saved_launch = VARIANT, dict(dg.LAUNCH)
-    VARIANT = VARIANTS[name]
-    dg.LAUNCH["MIN_GROUPS_PER_SPLIT"] = VARIANT["min_groups_per_split"] or saved_launch["MIN_GROUPS_PER_SPLIT"]
-    dg.LAUNCH["PREFETCH_GROUPS"] = VARIANT.get("prefetch_groups", saved_launch["PREFETCH_GROUPS"])
+    saved, VARIANT = VARIANT, VARIANTS[name]
+    gemm_launch = {"MIN_GROUPS_PER_SPLIT": VARIANT["min_groups_per_split"] or dg.LAUNCH["MIN_GROUPS_PER_SPLIT"],
+                   "PREFETCH_GROUPS": VARIANT.get("prefetch_groups", dg.LAUNCH["PREFETCH_GROUPS"])}  # fmt: skip
     try:
-        with sampler_draw(VARIANT.get("one_level_sampler", False)):
+        with launch_overrides(gemm_launch, {}), sampler_draw(VARIANT.get("one_level_sampler", False)):
             yield
     finally:
         VARIANT = saved
-        dg.LAUNCH.update(saved_launch)
 
 
 def warm_up(model, ps, config, batch: int, kv_cache_dtype: str) -> None:
@@ -363,6 +362,8 @@ def profile_step(model, batch: int, new: int, precisions: tuple[str, ...] = PROF
                 sampler_ms=round(bench_ms(lambda: sampler.sample(logits, seeds, steps)), 3),
                 kernels=kernel_breakdown(eager_step),
             )
+        # One line per engine on stderr, so a run cut short by a time limit keeps what it measured.
+        print(f"profiled b{batch} {name}: replay {out[name]['replay_ms']} ms", file=sys.stderr, flush=True)
     return out
 
 
