@@ -375,7 +375,7 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--profile-only", action="store_true", help="only the per-step profile (no throughput runs)")
     ap.add_argument("--profile", default=",".join(PROFILED),
-                    help=f"comma list of the engines the step profile covers ({', '.join(PROFILED)}): fp8_unfused "
+                    help=f"comma list of the engines the step profile covers ({', '.join(PROFILED)}; '' for none): fp8_unfused "
                          "without the fused epilogues, fp8_ungrouped without those and the grouped launches, "
                          "fp8_general on the general GEMM path, fp8_qkv64 with q/k/v grouped up to 64 rows only, "
                          "fp8_unfused_qkv with the q/k/v split-K reduction in a launch of its own; "
@@ -405,7 +405,7 @@ def main() -> None:
         raise SystemExit(f"--launch / --attention-launch: {exc}") from exc
     if args.decode_max_m:
         dg.DECODE_MAX_M = args.decode_max_m
-    profiled = tuple(args.profile.split(","))
+    profiled = tuple(filter(None, args.profile.split(",")))  # "": no step profile
     for name in profiled:  # a typo fails now, not after the model is built
         split_overrides(name)
     gbs = copy_bandwidth_gbs()
@@ -442,7 +442,7 @@ def main() -> None:
         rows += run_case(model, batch, args.new, gbs, args.skip_hf, variable=False, kept_state=True)
     rows += run_case(model, first, args.new, gbs, True, variable=True)
     rows += run_case(model, first, args.new, gbs, True, variable=True, refill=args.refill)
-    profile = {f"b{b}": profile_step(model, b, args.new) for b in map(int, args.batches.split(","))}
+    profile = {f"b{b}": profile_step(model, b, args.new, profiled) for b in map(int, args.batches.split(",")) if profiled}
     print("profile", profile, flush=True)
     by = {(r["case"], r["backend"], r["precision"], r["batch"]): r for r in rows}
     summary = {}
