@@ -22,8 +22,8 @@ the DRAM latency is exposed once per tile. The hint starts that fetch a whole ti
 L2, without registers or shared memory. Positions are clamped into the row's live range; the
 arithmetic is untouched (the same bits).
 ``REAL_ROWS``: phase 1 drops the rows the MMA's 16-row minimum padded the query heads with (12 of
-16 in an 8B layout) before it rounds, stores and quantizes its output (the sm_90 SASS of the shipped
-launch with ``QUANT``: 734 instructions per warp after the tile loop, 451 with it; the quant's amax
+16 in an 8B layout) before it rounds, stores and quantizes its output (the sm_90 SASS of the
+engine's launch with ``QUANT``: 734 instructions per warp after the tile loop without it, 451 with it; the quant's amax
 and IEEE divisions ran on every padded row); the same values.
 ``QUANT``: the output's 1×128 FP8 quantization (one group per head, ``D`` = 128) is written too, from
 the rounded output, by the functions of ``_triton_quant_jit`` (the bits of ``quantize_fp8_groups``

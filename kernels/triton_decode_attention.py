@@ -48,9 +48,12 @@ LOG2E = 1.4426950408889634
 # 66.6 -> 46.0 us at 256 with 2 stages against the earlier unpipelined loop, same bits; 3 stages and
 # 8 warps were slower.
 # PREFETCH_NEXT: 1 asks L2 for the next tile's K and V lines at the top of each tile step (the jit
-# module's doc); the same bits. REAL_ROWS: 1 drops the query-head padding rows before the output's
-# rounding, store and FP8 quant (the jit module's doc); the same bits. Neither measured on a GPU yet: off.
-LAUNCH = {"num_warps": 4, "LOOP_STAGES": 2, "PREFETCH_NEXT": 0, "REAL_ROWS": 0}
+# module's doc); the same bits. Off: slower (H100, batch-64 decode step, 2026-12-05, run 48: attention
+# 1.350 -> 1.466 ms with the FP8 output quant, 1.183 -> 1.253 without). REAL_ROWS: 1 drops the
+# query-head padding rows before the output's rounding, store and FP8 quant (the jit module's doc);
+# the same bits. On: attention with the quant 1.350 -> 1.315 ms at batch 64, 3.852 -> 3.801 at 256
+# (run 48); without the quant (BF16 engine) 1.183 against 1.195, within noise.
+LAUNCH = {"num_warps": 4, "LOOP_STAGES": 2, "PREFETCH_NEXT": 0, "REAL_ROWS": 1}
 
 # A split costs a partial write and a reduce; it pays only while rows x KV heads leave SMs idle
 # and each split still gets several tiles.

@@ -75,17 +75,18 @@ DECODE_MAX_M = 64
 # evenly, an SM streams at most cdiv(programs, SMs) x groups-per-program K groups, and the WAVES rule
 # can leave some SMs a third program while others hold two (8B shape, M <= 64: q/k/v 3 splits = 288
 # programs, o and down 5 = 320). Balanced, those take 4 splits (384, 256, 256 programs: a busiest
-# SM's groups 33 -> 24, 21 -> 16, 60 -> 48); gate/up keep one. Not yet measured on a GPU: off.
+# SM's groups 33 -> 24, 21 -> 16, 60 -> 48); gate/up keep one. On: H100, batch-64 decode step in
+# replay (2026-12-05, run 48), the decode GEMMs 3.255 -> 3.179 ms, the step 6.024 -> 5.947 ms.
 # PREFETCH_AHEAD: k > 0 asks L2 for the weight lines k K groups ahead in every iteration (the jit
 # module's doc): more weight bytes in flight per program than the pipeline's stages hold, the same
 # bits. Only launches that split K take it (the short q/k/v, o and down at decode): on the one-split
 # gate/up launch at 64 rows it took the registers from 168 to 178 a thread (sm_90), two programs per
-# SM instead of three. Not yet measured on a GPU: off.
+# SM instead of three. Off: slower (run 48, k = 4: the decode GEMMs 3.255 -> 3.523 ms).
 # Triton's automatic warp specialization of the K loop (TMA producer warps, one 12-warp program per SM)
 # kept the bits but made the batch-64 step's decode GEMMs 1.75x slower (2.65 -> 4.65 ms, run 46,
 # docs/benchmarks.md §7), so it was removed.
 LAUNCH = dict(BLOCK_N=64, WAVES=2, MIN_GROUPS_PER_SPLIT=4, SWAP_BELOW_M=64, num_warps=4, num_stages=3, MAX_BLOCK_M=64,
-              PREFETCH_GROUPS=2, TMA=0, SCALE_AHEAD=1, BALANCE=0, PREFETCH_AHEAD=0)  # fmt: skip
+              PREFETCH_GROUPS=2, TMA=0, SCALE_AHEAD=1, BALANCE=1, PREFETCH_AHEAD=0)  # fmt: skip
 # Up to this M a QuantLinear quantizes the activation in the GEMM's prologue. 0: never. Every N tile
 # re-quantizes its K slice, so on the H200 the prologue was slower than one act-quant launch plus
 # the prequantized GEMM at every decode M measured (1 to 64, Qwen3-8B shapes); it stays available

@@ -18,29 +18,32 @@ from jetrl_trainer.quant.fp8 import dequantize_fp8_blocks, dequantize_fp8_groups
 from jetrl_trainer.quant.testing import relative_error
 
 
+@pytest.mark.parametrize("balance", [0, 1])
 @pytest.mark.parametrize("min_groups", [1, 4])
 @pytest.mark.parametrize("m", [1, 7, 16, 33, 64, 100])
 @pytest.mark.parametrize("n, k", [(4096, 4096), (1024, 4096), (12288, 4096), (4096, 12288), (200, 300)])
-def test_plan_covers_every_k_group_exactly_once(m, n, k, min_groups):
-    cfg = dg.plan(m, n, k, sms=132, launch=dict(MIN_GROUPS_PER_SPLIT=min_groups))
+def test_plan_covers_every_k_group_exactly_once(m, n, k, min_groups, balance):
+    cfg = dg.plan(m, n, k, sms=132, launch=dict(MIN_GROUPS_PER_SPLIT=min_groups, BALANCE=balance))
     groups = math.ceil(k / 128)
     per, splits = cfg["GROUPS_PER_SPLIT"], cfg["SPLITS"]
     assert per * splits >= groups > per * (splits - 1)  # no split is empty, none is missing
     assert 16 <= cfg["BLOCK_M"] <= 64 and cfg["BLOCK_M"] & (cfg["BLOCK_M"] - 1) == 0
     assert cfg["BLOCK_M"] >= min(m, 64)
     tiles = math.ceil(n / cfg["BLOCK_N"]) * math.ceil(m / cfg["BLOCK_M"])
-    if splits > 1:  # split only as far as the GPU needs programs, and never below the minimum length
-        assert tiles * (splits - 1) < dg.LAUNCH["WAVES"] * 132
+    if splits > 1:  # never below the minimum length; the WAVES rule splits only as far as the GPU needs programs
         assert per >= min(min_groups, groups) or per * splits == groups
+        assert balance or tiles * (splits - 1) < dg.LAUNCH["WAVES"] * 132
 
 
 def test_plan_keeps_splits_long_enough_to_stream():
     # k/v of Qwen3-8B on 132 SMs: 16 N tiles; 2 waves would want 17 splits of 2 groups, the minimum gives 8 of 4.
-    cfg = dg.plan(64, 1024, 4096, sms=132)
+    waves = dict(BALANCE=0)  # the WAVES rule
+    cfg = dg.plan(64, 1024, 4096, sms=132, launch=waves)
     assert (cfg["SPLITS"], cfg["GROUPS_PER_SPLIT"]) == (8, 4)
-    cfg = dg.plan(64, 1024, 4096, sms=132, launch=dict(MIN_GROUPS_PER_SPLIT=1))
+    assert dg.plan(64, 1024, 4096, sms=132) == cfg  # balanced (the default): the same 8 of 4
+    cfg = dg.plan(64, 1024, 4096, sms=132, launch=dict(waves, MIN_GROUPS_PER_SPLIT=1))
     assert (cfg["SPLITS"], cfg["GROUPS_PER_SPLIT"]) == (16, 2)
-    assert dg.plan(16, 4096, 12288, sms=132)["SPLITS"] == 5  # down: long K, the waves decide
+    assert dg.plan(16, 4096, 12288, sms=132, launch=waves)["SPLITS"] == 5  # down: long K, the waves decide
 
 
 def _busiest_sm_groups(cfg, tiles, sms=132):
@@ -59,7 +62,8 @@ def test_balanced_plan_evens_the_sms_work_out():
         assert dg.plan(m, 4096, 4096, sms=132, launch=balance)["SPLITS"] == 4  # o: 256 programs of 8
         assert dg.plan(m, 4096, 12288, sms=132, launch=balance)["SPLITS"] == 4  # down: 256 programs of 24
         assert dg.plan(m, [12288, 12288], 4096, sms=132, launch=balance)["SPLITS"] == 1
-    assert dg.plan(64, 4096, 12288, sms=132)["SPLITS"] == 5  # off by default
+    assert dg.plan(64, 4096, 12288, sms=132)["SPLITS"] == 4  # on by default
+    assert dg.plan(64, 4096, 12288, sms=132, launch=dict(BALANCE=0))["SPLITS"] == 5
     for m in (1, 16, 33, 64, 128, 256):
         for widths, k in [([4096], 4096), ([1024], 4096), ([4096, 1024, 1024], 4096), ([12288, 12288], 4096),
                           ([4096], 12288), ([200], 300), ([5120, 1024, 1024], 5120), ([2048], 8192)]:  # fmt: skip
@@ -128,9 +132,9 @@ def _reference(x, w_q, w_s, bias=None, scale_format="fp32"):
 
 
 # shipped, never / always swapped, short splits, scales loaded in place (before SCALE_AHEAD), TMA loads,
-# the K split balanced over the SMs
+# the K split by the WAVES rule (before BALANCE)
 LAUNCHES = [dict(), dict(SWAP_BELOW_M=0, BLOCK_N=128), dict(SWAP_BELOW_M=128, WAVES=4), dict(MIN_GROUPS_PER_SPLIT=1),
-            dict(SCALE_AHEAD=0), dict(TMA=1), dict(BALANCE=1)]  # fmt: skip
+            dict(SCALE_AHEAD=0), dict(TMA=1), dict(BALANCE=0)]  # fmt: skip
 
 
 @pytest.fixture(params=LAUNCHES, ids=lambda p: "-".join(f"{k}{v}" for k, v in p.items()))
@@ -376,10 +380,14 @@ def test_grouped_launch_refuses_bad_operands():
 
 
 def test_grouped_plan_counts_the_tiles_of_every_weight():
-    # q/k/v of Qwen3-8B at M = 64: 96 N tiles together, so fewer K splits than q alone (64 tiles).
-    alone, grouped = dg.plan(64, 4096, 4096, sms=132), dg.plan(64, [4096, 1024, 1024], 4096, sms=132)
+    # q/k/v of Qwen3-8B at M = 64: 96 N tiles together, so the WAVES rule splits K less than for q
+    # alone (64 tiles); the balanced split (the default) gives both 4.
+    waves = dict(BALANCE=0)
+    alone, grouped = dg.plan(64, 4096, 4096, sms=132, launch=waves), dg.plan(64, [4096, 1024, 1024], 4096, sms=132, launch=waves)
     assert grouped["SPLITS"] < alone["SPLITS"] and grouped["GROUPS_PER_SPLIT"] * grouped["SPLITS"] >= 32
-    assert dg.plan(64, [4096], 4096, sms=132) == alone
+    assert dg.plan(64, [4096], 4096, sms=132, launch=waves) == alone
+    assert dg.plan(64, [4096], 4096, sms=132) == dg.plan(64, 4096, 4096, sms=132)
+    assert dg.plan(64, 4096, 4096, sms=132)["SPLITS"] == dg.plan(64, [4096, 1024, 1024], 4096, sms=132)["SPLITS"] == 4
 
 
 def test_programmatic_dependent_launch_is_off_by_default_and_only_on_hopper_cuda():
