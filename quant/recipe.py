@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Union
 
 from jetrl_trainer._choices import NVFP4_BACKWARDS, PHASES, PRECISIONS, SCALE_FORMATS, check_choice
+from jetrl_trainer.kernels.settings import DecodeGemmSettings, QuantKernelSettings
 
 __all__ = [
     "NVFP4_BACKWARDS",
@@ -56,10 +57,14 @@ class FP8Recipe(Recipe):
 
     Parameters:
         scale_format: ``"fp32"`` scales, or ``"ue8m0"`` (power-of-two scales, rounded up).
+        kernels: launch settings of the quantization kernels this recipe's layers run.
+        decode_gemm: launch settings of the split-K decode GEMM (rollouts at decode-sized M).
     """
 
     name: ClassVar[str] = "fp8"
     scale_format: str = "fp32"
+    kernels: QuantKernelSettings = QuantKernelSettings()
+    decode_gemm: DecodeGemmSettings = DecodeGemmSettings()
 
     def __post_init__(self) -> None:
         check_choice("FP8 scale_format", self.scale_format, SCALE_FORMATS)

@@ -1,0 +1,106 @@
+"""Launch settings of the Triton kernel families: one frozen object per family.
+
+Settings change how fast a kernel runs, and some (the decode GEMM's K split, the attention's tile
+size and warps) the order in which it sums. So they are never module globals that a benchmark or a
+test flips: whoever launches the kernels owns one of these objects and passes it down, as torchao's
+float8 modules each hold their config.
+
+* :class:`QuantKernelSettings` and :class:`DecodeGemmSettings`: held by an FP8 recipe
+  (``quant/recipe.py``), read by every ``QuantLinear`` that runs it.
+* :class:`DecodeAttentionSettings`: held by the decode engine (``rollout/engine``).
+
+A benchmark that compares two settings builds two objects (``dataclasses.replace``). Pure Python:
+importing this module imports no Triton.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["DecodeAttentionSettings", "DecodeGemmSettings", "QuantKernelSettings"]
+
+
+def _positive(owner: object, *names: str) -> None:
+    for name in names:
+        value = getattr(owner, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{type(owner).__name__}.{name} must be a positive int; got {value!r}.")
+
+
+@dataclass(frozen=True)
+class DecodeGemmSettings:
+    """The split-K FP8 GEMM for decode-sized M (``kernels/triton_decode_gemm.py``).
+
+    Defaults from sweeps of ``benchmarks/bench_decode_gemm.py`` on an H200 and an H100 (Qwen3-8B
+    shapes; docs/performance.md).
+
+    Parameters:
+        max_m: rows up to which a ``QuantLinear`` takes this kernel instead of the general path.
+        block_n: weight rows per program.
+        max_block_m: the largest M tile.
+        swap_below_m: W is the MMA's M operand while the M tile is below this.
+        waves: programs per SM the K split aims for.
+        min_groups_per_split: the fewest 128-wide K groups a split streams.
+        num_warps, num_stages: Triton launch parameters.
+    """
+
+    max_m: int = 64
+    block_n: int = 64
+    max_block_m: int = 64
+    swap_below_m: int = 64
+    waves: int = 2
+    min_groups_per_split: int = 4
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        _positive(self, "max_m", "block_n", "max_block_m", "swap_below_m", "waves", "min_groups_per_split",
+                  "num_warps", "num_stages")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class DecodeAttentionSettings:
+    """The split-KV decode attention (``kernels/triton_decode_attention.py``).
+
+    ``num_warps`` share a tile's row sums, so it can change the order of the sums; the tile size
+    and tile order are not settings: the engine derives them from the training forward's attention.
+
+    Parameters:
+        num_warps: warps per program.
+        loop_stages: software-pipelining depth of the tile loop.
+        min_tiles_per_split: the fewest KV tiles a split reads.
+    """
+
+    num_warps: int = 4
+    loop_stages: int = 2
+    min_tiles_per_split: int = 4
+
+    def __post_init__(self) -> None:
+        _positive(self, "num_warps", "loop_stages", "min_tiles_per_split")
+
+
+@dataclass(frozen=True)
+class QuantKernelSettings:
+    """The FP8 quantization kernels (``kernels/triton_quant.py``).
+
+    Parameters:
+        act: (rows per program, 128-groups per program, warps) of the activation quant.
+        act_transposed: the same for an input with stride(0) == 1 (``dY.t()``).
+        weight_warps: warps of the 128×128 weight quant.
+        requant_block_k, requant_warps: the WGrad operand's transpose + re-quant.
+        transpose: (BLOCK_R, BLOCK_C, warps) of the FP8 block transpose (DGrad's weight).
+    """
+
+    act: tuple[int, int, int] = (16, 2, 4)
+    act_transposed: tuple[int, int, int] = (64, 1, 4)
+    weight_warps: int = 16
+    requant_block_k: int = 32
+    requant_warps: int = 4
+    transpose: tuple[int, int, int] = (64, 256, 8)
+
+    def __post_init__(self) -> None:
+        _positive(self, "weight_warps", "requant_block_k", "requant_warps")
+        for name in ("act", "act_transposed", "transpose"):
+            value = getattr(self, name)
+            if not (isinstance(value, tuple) and len(value) == 3 and all(isinstance(v, int) and v > 0 for v in value)):
+                raise ValueError(f"QuantKernelSettings.{name} must be a tuple of three positive ints; got {value!r}.")
