@@ -171,6 +171,29 @@ def test_without_attention_mask_padding_would_leak(model):
     assert not torch.equal(generate(model, ids, None, **kw)[1, -9:], alone[0, -9:])
 
 
+class RecordMasks(torch.nn.Module):
+    """Wraps a model and records the attention mask of every forward."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.inner, self.config, self.masks = model, model.config, []
+
+    def forward(self, *args, attention_mask=None, **kwargs):
+        self.masks.append(attention_mask)
+        return self.inner(*args, attention_mask=attention_mask, **kwargs)
+
+
+def test_padding_is_decided_once_and_an_all_ones_mask_is_dropped(model):
+    ids, mask, _ = prompts()
+    kw = dict(steps=4, gen_length=8, block_length=4)
+    unpadded, padded = RecordMasks(model), RecordMasks(model)
+    generate(unpadded, ids, torch.ones_like(mask), **kw)
+    generate(padded, ids, mask, **kw)
+    assert len(unpadded.masks) == 4 and all(m is None for m in unpadded.masks)
+    assert len(padded.masks) == 4 and all(torch.equal(m[:, : ids.shape[1]], mask) and m[:, ids.shape[1]:].all()
+                                          for m in padded.masks)  # fmt: skip
+
+
 def test_cfg_runs_with_padding_and_changes_the_result(model):
     ids, mask, rows = prompts(lengths=(6, 2, 4))
     kw = dict(steps=4, gen_length=8, block_length=4)
@@ -362,12 +385,6 @@ def test_eos_option_ids_are_checked(model):
         generate(model, ids, mask, steps=2, gen_length=4, block_length=4, eos_token_id=3, confidence_eos_eot_inf=True)
     with pytest.raises(ValueError, match="need an EOS id"):
         generate(model, ids, mask, steps=2, gen_length=4, block_length=4, logits_eos_inf=True)
-
-
-def test_cuda_graph_needs_cuda(model):
-    ids, mask, _ = prompts()
-    with pytest.raises(ValueError, match="cuda_graph=True needs"):
-        generate(model, ids, mask, steps=2, gen_length=4, block_length=4, cuda_graph=True)
 
 
 # -- approximate, opt-in speed-ups (Fast-dLLM) ---------------------------------------------------------

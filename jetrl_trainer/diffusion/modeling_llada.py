@@ -298,8 +298,6 @@ def _key_mask(attention_mask: torch.Tensor | None, shape: torch.Size) -> torch.T
     if attention_mask.shape != shape:
         raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, expected {tuple(shape)} (B, T).")
     key_mask = attention_mask.bool()
-    if key_mask.is_cuda and torch.cuda.is_current_stream_capturing():
-        return key_mask  # a CUDA graph cannot read the mask back; the caller decided about padding
     # Same shortcut as the published model: no padding -> no mask -> fastest SDPA kernel.
     return None if bool(key_mask.all()) else key_mask
 

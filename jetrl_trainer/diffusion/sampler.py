@@ -40,15 +40,13 @@ How we depart from the published ``generate``:
 * Per-row top-k is vectorised, breaks ties by position (a stable sort; the published ``topk``
   leaves the order of equal confidences unspecified), and needs no host synchronisation (the number of tokens per step is
   known on the host: a block is all ``[MASK]`` when it starts); randomness comes from an optional
-  ``torch.Generator``. ``cuda_graph=True`` (opt-in) captures the denoise step as a CUDA graph per
-  ``generate`` call (the canvas has one shape for the whole call; the block is a static index
-  buffer).
+  ``torch.Generator``. The denoise step runs eagerly: captured as a CUDA graph it measured no
+  faster for LLaDA-8B shapes, whose steps hide their launch overhead (docs/llada.md).
 """
 
 from __future__ import annotations
 
 import functools
-import gc
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -172,7 +170,7 @@ def denoise_step(
     model: nn.Module,
     x: torch.Tensor,
     attention_mask: torch.Tensor | None,
-    block: slice | torch.Tensor,
+    block: slice,
     *,
     prompt_length: int,
     mask_token_id: int,
@@ -188,8 +186,8 @@ def denoise_step(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One forward pass; returns the proposal ``x0`` and its confidence for the block, each ``(B, L_block)``.
 
-    ``block`` is a slice of canvas positions or a ``(L_block,)`` index tensor (the CUDA-graph path).
-    ``prefix_cache`` (approximate, see :class:`LLaDAPrefixCache`) is passed to the model.
+    ``block`` is the slice of canvas positions to propose for. ``prefix_cache`` (approximate, see
+    :class:`LLaDAPrefixCache`) is passed to the model.
     """
     cache = {} if prefix_cache is None else dict(prefix_cache=prefix_cache)  # plain models need not take it
     if cfg_scale > 0:
@@ -274,7 +272,6 @@ def generate(
     threshold: float | None = None,
     prefix_cache: bool = False,
     generator: torch.Generator | None = None,
-    cuda_graph: bool = False,
     progress: bool = False,
     on_step: Callable[[DenoiseStepInfo], None] | None = None,
 ) -> torch.Tensor:
@@ -303,9 +300,6 @@ def generate(
             block runs the whole sequence and stores the keys/values of the prompt and the committed
             blocks; the block's other steps recompute only the current and later positions.
         generator: RNG for the Gumbel noise and random remasking, on ``prompt_ids``' device.
-        cuda_graph: run the denoise step as captured CUDA graphs (CUDA only; opt-in: on the H200 it
-            measured no faster than eager for LLaDA-8B shapes, see docs/benchmarks.md). Randomness
-            then comes from the default CUDA generator (``generator`` must be None).
         progress: show a tqdm bar over the steps.
         on_step: called after every step with a :class:`DenoiseStepInfo` (for tests / tracing).
 
@@ -320,6 +314,9 @@ def generate(
     eos_token_id, eot_token_id = _resolve_eos_eot(model, logits_eos_inf, confidence_eos_eot_inf, eos_token_id, eot_token_id)
     prompt_length = prompt_ids.shape[1]
     x = mask_tokens(prompt_ids, gen_length, mask_token_id)
+    # Padding is decided once, on the host: the model's no-padding shortcut would read the mask back every step.
+    if attention_mask is not None and bool(attention_mask.bool().all()):
+        attention_mask = None
     if attention_mask is not None:
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones(x.shape[0], gen_length)], dim=1)
     options = dict(
@@ -327,31 +324,28 @@ def generate(
         remasking=remasking, eos_token_id=eos_token_id, eot_token_id=eot_token_id, logits_eos_inf=logits_eos_inf,
         confidence_eos_eot_inf=confidence_eos_eot_inf,
     )  # fmt: skip
-    if cuda_graph and not x.is_cuda:
-        raise ValueError("cuda_graph=True needs the prompt on a CUDA device; pass cuda_graph=False.")
-    if cuda_graph and generator is not None:
-        raise ValueError("cuda_graph=True draws from the default CUDA generator (seed it with torch.manual_seed); "
-                         "pass generator=None, or cuda_graph=False to use the generator.")
-    runner = _StepRunner(model, x, attention_mask, block_length, options, generator, cuda_graph, prefix_cache)
-    try:
-        _denoise_blocks(runner, x, prompt_length, gen_length, block_length, steps, steps_per_block, threshold,
-                        mask_token_id, progress, on_step)  # fmt: skip
-    finally:
-        runner.close()  # destroy the graphs now: a graph collected later could land inside another capture
+    step = functools.partial(denoise_step, model, x, attention_mask, generator=generator, **options)
+    _denoise_blocks(step, x, prompt_length, gen_length, block_length, steps, steps_per_block, threshold,
+                    mask_token_id, prefix_cache, progress, on_step)  # fmt: skip
     return x
 
 
-def _denoise_blocks(runner, x, prompt_length, gen_length, block_length, steps, steps_per_block, threshold,
-                    mask_token_id, progress, on_step) -> None:  # fmt: skip
-    """The block / step loop of :func:`generate` (writes into the canvas ``x``)."""
+def _denoise_blocks(step, x, prompt_length, gen_length, block_length, steps, steps_per_block, threshold,
+                    mask_token_id, prefix_cache, progress, on_step) -> None:  # fmt: skip
+    """The block / step loop of :func:`generate` (writes into the canvas ``x``).
+
+    ``step(block, prefix_cache=...)`` is :func:`denoise_step` on the canvas. With the prefix cache, a
+    block's first step runs the whole canvas and fills a fresh cache; its later steps reuse it.
+    """
     schedule = _transfer_schedule(block_length, steps_per_block)
     bar = tqdm(total=steps, desc="LLaDA denoising", disable=not progress, leave=False)
     for b in range(gen_length // block_length):
         block = slice(prompt_length + b * block_length, prompt_length + (b + 1) * block_length)
         num_transfer = get_num_transfer_tokens(x[:, block] == mask_token_id, steps_per_block)
+        cache = LLaDAPrefixCache(block.start) if prefix_cache else None
         i, done = 0, False
         while not done:
-            x0, confidence = runner.step(b, i)
+            x0, confidence = step(block, prefix_cache=cache)
             if threshold is None:
                 transferred = remask_low_confidence(
                     x[:, block], x0, confidence, num_transfer[:, i], mask_token_id, k_max=schedule[i]
@@ -367,93 +361,6 @@ def _denoise_blocks(runner, x, prompt_length, gen_length, block_length, steps, s
             bar.update(1)
             i += 1
     bar.close()
-
-
-class _StepRunner:
-    """Runs the denoise steps of one ``generate`` call: eagerly, or as captured CUDA graphs.
-
-    The canvas keeps one shape for the whole call and is updated in place, so a graph reads it
-    directly. Without the prefix cache there is one graph for the call, the current block being a
-    static ``(L_block,)`` index buffer. With it, each block's first step runs eagerly on the whole
-    canvas (it fills that block's cache) and the block's later steps share one graph. Padding is
-    decided once on the host (the model's no-padding shortcut would read the mask back each step).
-    """
-
-    def __init__(self, model: nn.Module, x: torch.Tensor, attention_mask: torch.Tensor | None, block_length: int,
-                 options: dict, generator: torch.Generator | None, cuda_graph: bool, prefix_cache: bool) -> None:  # fmt: skip
-        self.model, self.x, self.options, self.generator = model, x, options, generator
-        self.cuda_graph, self.use_cache = cuda_graph, prefix_cache
-        self.mask = None if attention_mask is None or bool(attention_mask.bool().all()) else attention_mask
-        P = options["prompt_length"]
-        self.blocks = (P + torch.arange(x.shape[1] - P, device=x.device)).view(-1, block_length)  # (blocks, L_block)
-        self.block = self.blocks[0].clone()  # the graph's static block index
-        self.graph: _CapturedStep | None = None
-        self.cache: LLaDAPrefixCache | None = None
-
-    def _step(self, block: slice | torch.Tensor, **extra) -> tuple[torch.Tensor, torch.Tensor]:
-        return denoise_step(self.model, self.x, self.mask, block, generator=self.generator, **self.options, **extra)
-
-    def _captured(self, block: slice | torch.Tensor, **extra) -> _CapturedStep:
-        # A partial over plain values, not a closure over self: no runner <-> graph reference cycle.
-        return _CapturedStep(functools.partial(denoise_step, self.model, self.x, self.mask, block,
-                                               generator=self.generator, **self.options, **extra))  # fmt: skip
-
-    def close(self) -> None:
-        self.graph, self.cache = None, None
-
-    def step(self, b: int, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.use_cache:
-            if not self.cuda_graph:
-                return self._step(self.blocks_slice(b))
-            self.block.copy_(self.blocks[b])  # device-to-device, no sync
-            if self.graph is None:
-                self.graph = self._captured(self.block)
-            return self.graph()
-        if i == 0:  # fill this block's cache from a full forward; the previous block's graph is dropped
-            self.cache, self.graph = LLaDAPrefixCache(self.block_start(b)), None
-            return self._step(self.blocks_slice(b), prefix_cache=self.cache)
-        if not self.cuda_graph:
-            return self._step(self.blocks_slice(b), prefix_cache=self.cache)
-        if self.graph is None:
-            self.graph = self._captured(self.blocks_slice(b), prefix_cache=self.cache)
-        return self.graph()
-
-    def block_start(self, b: int) -> int:
-        return self.options["prompt_length"] + b * self.blocks.shape[1]
-
-    def blocks_slice(self, b: int) -> slice:
-        start = self.block_start(b)
-        return slice(start, start + self.blocks.shape[1])
-
-
-class _CapturedStep:
-    """``fn`` as a CUDA graph: the first call runs it eagerly on a side stream (warm-up: weight caches,
-    kernel compilation) and returns that result, then captures it; every later call is one replay."""
-
-    def __init__(self, fn: Callable[[], tuple[torch.Tensor, torch.Tensor]]) -> None:
-        self.fn = fn
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.out: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.graph is not None:
-            self.graph.replay()
-            return self.out[0].clone(), self.out[1].clone()  # the next replay overwrites the outputs
-        side, current = torch.cuda.Stream(), torch.cuda.current_stream()
-        side.wait_stream(current)
-        with torch.cuda.stream(side):
-            result = self.fn()
-        current.wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        collecting = gc.isenabled()
-        gc.disable()  # a garbage collection inside the capture could destroy another graph: capture invalidated
-        try:
-            with torch.cuda.graph(self.graph):
-                self.out = self.fn()
-        finally:
-            if collecting:
-                gc.enable()
-        return result
 
 
 def _validate_approximate(threshold: float | None, remasking: str) -> None:
