@@ -10,6 +10,10 @@ silently). The policy here:
 * a non-finite reward (NaN, ±inf) is treated as missing, exactly like a ``None`` in TRL: left out of
   that function's mean and of the group baseline; a completion with no reward left gets advantage
   0. Reward models (``nn.Module``) get the same treatment on their outputs;
+* the first non-finite reward of each reward function logs one warning naming the function and the
+  value (TRL itself only warns when *every* function returned None for a completion, which never
+  names the culprit); later ones are only counted. Once per function rather than once per trainer,
+  so a second broken function is not hidden behind the first;
 * ``rewards/nonfinite`` logs how many there were per generation batch (all processes, all functions);
 * after ``max_nonfinite_reward_batches`` consecutive training generation batches that each held one,
   training stops with a ``RuntimeError`` naming the last offender.
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import math
 import numbers
 import reprlib
@@ -31,6 +36,8 @@ from torch import Tensor, nn
 from jetrl_trainer._dist import all_reduce_sums
 
 __all__ = ["RewardChecks"]
+
+logger = logging.getLogger("jetrl_trainer")
 
 
 class RewardChecks:
@@ -46,6 +53,7 @@ class RewardChecks:
         self.bad_streak = 0
         self._count = 0  # non-finite values returned by the wrapped functions in this batch, this process
         self._last = ""  # the last one, for the error message
+        self._warned: set[str] = set()  # reward functions / models whose first non-finite reward was logged
 
     def wrap_all(self, funcs: Sequence[Any], names: Sequence[str]) -> list[Any]:
         """``funcs`` with every callable (not a reward model) wrapped by `wrap`."""
@@ -89,7 +97,7 @@ class RewardChecks:
                 )
             if not math.isfinite(value):
                 self._count += 1
-                self._last = f"reward function {name!r} returned {value!r}"
+                self._drop(f"reward function {name!r}", value)
                 value = None
             values.append(None if value is None else float(value))
         return values
@@ -105,7 +113,7 @@ class RewardChecks:
                 bad = ~torch.isfinite(rewards_per_func[:, i])
                 if bad.any():
                     count += float(bad.sum())
-                    self._last = f"reward model {i} returned {rewards_per_func[:, i][bad][0].item()!r}"
+                    self._drop(f"reward model {i}", rewards_per_func[:, i][bad][0].item())
                     rewards_per_func[bad, i] = torch.nan
         if training:
             self.bad_streak = self.bad_streak + 1 if count else 0
@@ -116,6 +124,19 @@ class RewardChecks:
                     "completion), or raise max_nonfinite_reward_batches (None never stops)."
                 )
         return count
+
+    def _drop(self, source: str, value: float) -> None:
+        """Remember a dropped non-finite reward; warn at the first one from ``source``."""
+        self._last = f"{source} returned {float(value)!r}"
+        if source in self._warned:
+            return
+        self._warned.add(source)
+        logger.warning(
+            "jetrl: %s; a non-finite reward is dropped like None (left out of the mean and the group baseline). "
+            "Later ones from it are only counted in rewards/nonfinite, and training stops after "
+            "max_nonfinite_reward_batches consecutive batches with one. Return None to skip a completion.",
+            self._last,
+        )
 
 
 def _show(value: Any) -> str:

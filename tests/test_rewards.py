@@ -4,6 +4,7 @@ missing rewards, counted, and fatal only after max_nonfinite_reward_batches cons
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 
 import numpy as np
@@ -74,6 +75,34 @@ def test_reward_model_outputs_and_the_streak():
     )
 
 
+def _warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "jetrl_trainer" and r.levelno == logging.WARNING]
+
+
+def test_the_first_non_finite_reward_of_each_function_warns_once_with_its_name_and_value(caplog):
+    checks = RewardChecks(max_bad_batches=None)
+    with caplog.at_level(logging.WARNING, logger="jetrl_trainer"):
+        assert checks.check("accuracy", [1.0, float("-inf"), float("nan")]) == [1.0, None, None]
+        assert checks.check("accuracy", [float("nan")]) == [None]  # a later batch: still dropped, not re-warned
+        assert checks.check("length", [np.float64("nan"), 0.5]) == [None, 0.5]
+        assert checks.check("format", [0.0, 1.0]) == [0.0, 1.0]
+    warned = _warnings(caplog)
+    assert len(warned) == 2
+    assert warned[0].startswith("jetrl: reward function 'accuracy' returned -inf; a non-finite reward is dropped like None")
+    assert warned[1].startswith("jetrl: reward function 'length' returned nan; a non-finite reward is dropped like None")
+    assert checks.end_batch(torch.zeros(6, 1), [lambda **k: None], training=True) == 4.0  # every one still counted
+
+
+def test_a_reward_models_first_non_finite_output_warns_once(caplog):
+    checks, funcs = RewardChecks(max_bad_batches=None), [lambda **k: None, nn.Linear(2, 1)]
+    with caplog.at_level(logging.WARNING, logger="jetrl_trainer"):
+        for _ in range(2):
+            rewards = torch.tensor([[1.0, 0.5], [1.0, float("inf")]])
+            assert checks.end_batch(rewards, funcs, training=True) == 1.0
+            assert rewards[1, 1].isnan() and rewards[0, 1] == 0.5
+    assert [w.split(";")[0] for w in _warnings(caplog)] == ["jetrl: reward model 1 returned inf"]
+
+
 # --------------------------------------------------------------------------------------------- in the trainer
 
 
@@ -82,7 +111,7 @@ def _trainer(tmp_path, reward, **overrides):
     return JetGRPOTrainer(tiny_model(), reward, args=args, train_dataset=prompts(), processing_class=tokenizer())
 
 
-def test_an_inf_reward_is_missing_and_the_rest_of_its_group_still_learns(tmp_path):
+def test_an_inf_reward_is_missing_and_the_rest_of_its_group_still_learns(tmp_path, caplog):
     """Before: reward=inf, every advantage of the group 0, loss 0, grad_norm 0."""
 
     def one_inf(completions, **kwargs):
@@ -90,8 +119,11 @@ def test_an_inf_reward_is_missing_and_the_rest_of_its_group_still_learns(tmp_pat
         rewards[0] = math.inf
         return rewards
 
-    logs, _ = train(_trainer(tmp_path, one_inf))
+    with caplog.at_level(logging.WARNING, logger="jetrl_trainer"):
+        logs, _ = train(_trainer(tmp_path, one_inf, max_steps=2))
     assert logs["rewards/nonfinite"] == 1.0
+    dropped = [w for w in _warnings(caplog) if "non-finite reward" in w]
+    assert dropped == [dropped[0]] and dropped[0].startswith("jetrl: reward function 'one_inf' returned inf;")
     assert math.isfinite(logs["reward"]) and math.isfinite(logs["rewards/one_inf/mean"])
     assert logs["grad_norm"] > 0, "the other completions of the group keep their advantages"
 
