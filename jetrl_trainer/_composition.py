@@ -31,7 +31,9 @@ def resolve_rollout_backend(
             )
         if requested in ("auto", "diffusion"):
             return "diffusion", "the model is a masked-diffusion LM (LLaDA)"
-        raise ValueError(f"rollout_backend={requested!r} cannot sample a diffusion LM (LLaDA); use 'auto' or 'diffusion'.")
+        # the config turns TRL's use_vllm=True into rollout_backend='vllm': name both, the user wrote one
+        asked = "rollout_backend='vllm' (or use_vllm=True)" if requested == "vllm" else f"rollout_backend={requested!r}"
+        raise ValueError(f"{asked} cannot sample a diffusion LM (LLaDA); use rollout_backend 'auto' or 'diffusion'.")
     if requested == "diffusion":
         raise ValueError("rollout_backend='diffusion' needs a masked-diffusion LM (LLaDA); use 'auto' or 'hf'.")
     if requested == "vllm":

@@ -446,8 +446,8 @@ class JetGRPOConfig(GRPOConfig):
                 f"keep_last_n_layers_bf16 must be >= 0 (0 quantizes every decoder layer); got "
                 f"{self.keep_last_n_layers_bf16}"
             )
-        self._check_rollout_backend()
-        self._check_vllm()
+        backend_as_set = self._check_rollout_backend()
+        self._check_vllm(backend_as_set)
         if self.corrector is None:  # corrector=None from Python reads as "no corrector"
             self.corrector = "none"
         if isinstance(self.corrector, str):
@@ -522,10 +522,13 @@ class JetGRPOConfig(GRPOConfig):
 
     # ------------------------------------------------------------------ rollout backend
 
-    def _check_rollout_backend(self) -> None:
+    def _check_rollout_backend(self) -> str:
+        """Resolve TRL's backend flags into ``rollout_backend``; returns the setting as the user wrote it
+        (``"use_vllm=True"`` or ``"rollout_backend='...'"``), for later messages to name."""
         self.rollout_backend = _check_choice("rollout_backend", self.rollout_backend, ROLLOUT_BACKENDS)
+        as_set = f"rollout_backend={self.rollout_backend!r}"
         if self.use_vllm and self.rollout_backend == "auto":
-            self.rollout_backend = "vllm"  # TRL's flag, same meaning
+            self.rollout_backend, as_set = "vllm", "use_vllm=True"  # TRL's flag, same meaning
         elif self.use_vllm and self.rollout_backend != "vllm":
             raise ValueError(
                 f"use_vllm=True contradicts rollout_backend={self.rollout_backend!r}; set rollout_backend='vllm' (or "
@@ -551,10 +554,10 @@ class JetGRPOConfig(GRPOConfig):
         if self.rollout_backend == "continuous":
             self.use_transformers_continuous_batching = True  # TRL builds the engine config from this flag
         elif self.use_transformers_continuous_batching and self.rollout_backend != "auto":
-            raise ValueError(
-                f"use_transformers_continuous_batching=True contradicts rollout_backend={self.rollout_backend!r}; "
-                "set rollout_backend='continuous' (or 'auto') and leave the flag, or unset the flag."
-            )
+            fix = ("unset one of the two flags" if as_set == "use_vllm=True" else
+                   "set rollout_backend='continuous' (or 'auto') and leave the flag, or unset the flag")  # fmt: skip
+            raise ValueError(f"use_transformers_continuous_batching=True contradicts {as_set}; {fix}.")
+        return as_set
 
     def _check_kv_cache_dtype(self) -> None:
         self.rollout_kv_cache_dtype = _check_choice("rollout_kv_cache_dtype", self.rollout_kv_cache_dtype, KV_CACHE_DTYPES)
@@ -584,8 +587,9 @@ class JetGRPOConfig(GRPOConfig):
                 "corrector='ais' or 'tis'), or leave rollout_kv_cache_dtype='auto'."
             )
 
-    def _check_vllm(self) -> None:
-        """``rollout_backend="vllm"``: TRL's vLLM plumbing, with our corrector in place of TRL's IS correction."""
+    def _check_vllm(self, as_set: str) -> None:
+        """``rollout_backend="vllm"``: TRL's vLLM plumbing, with our corrector in place of TRL's IS correction.
+        ``as_set`` is how the user asked for it (``use_vllm=True`` or ``rollout_backend='vllm'``)."""
         if self.rollout_backend != "vllm":
             return
         self.use_vllm = True  # TRL builds its VLLMGeneration (engine or server client) from this flag
@@ -597,12 +601,15 @@ class JetGRPOConfig(GRPOConfig):
                 "sequence_truncate / sequence_mask -> the same with corrector_level='sequence' (docs/vllm.md)."
             )
         if self.rollout_precision not in VLLM_ROLLOUT_PRECISIONS:
+            default = " (the default)" if self.rollout_precision == type(self).rollout_precision else ""
+            precision = self.rollout_precision.upper()
             raise ValueError(
-                f"rollout_backend='vllm' with rollout_precision={self.rollout_precision!r} is not supported: vLLM rolls "
-                "out its own BF16 copy of the model; FP8 there would quantize the synced weights and activations in "
-                "vLLM's own kernels, not our quant modules, a path we have not built or run. Supported: rollout_precision='bf16' with any "
-                "train_precision and a corrector for the mismatch; for FP8 rollouts on the policy's own modules use "
-                "rollout_backend='engine' or 'hf' (docs/vllm.md)."
+                f"{as_set} with rollout_precision={self.rollout_precision!r}{default} is not supported: vLLM rolls out "
+                f"its own BF16 copy of the model; {precision} there would quantize the synced weights and activations "
+                "in vLLM's own kernels, not our quant modules, a path we have not built or run. To keep vLLM, set "
+                f"rollout_precision='bf16' (any train_precision, with a corrector for the mismatch); for {precision} "
+                f"rollouts on the policy's own modules, drop {as_set} and set rollout_backend='engine' or 'hf' "
+                "(docs/vllm.md)."
             )
         if self.vllm_mode == "server" and (self.use_cpu or not _cuda_available()):
             raise ValueError(

@@ -83,7 +83,8 @@ def test_keep_bf16_modules_accepts_one_string():
         (dict(corrector=AISCorrector(), corrector_clip=2.0), "set its parameters on the instance"),
         (dict(corrector=TISCorrector), "pass an instance"),
         (dict(keep_last_n_layers_bf16=-1), "keep_last_n_layers_bf16 must be >= 0"),
-        (dict(use_vllm=True), "Supported: rollout_precision='bf16'"),  # vLLM rolls out BF16 only
+        # vLLM rolls out BF16 only; the message names the flag the user set, not the backend it implies
+        (dict(use_vllm=True), "use_vllm=True with rollout_precision='fp8' (the default) is not supported"),
     ],
 )
 def test_bad_configs_name_the_fix(kwargs, fragment):

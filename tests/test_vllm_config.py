@@ -25,14 +25,28 @@ def test_use_vllm_and_rollout_backend_vllm_mean_the_same(tmp_path):
     assert make(tmp_path).use_vllm is False  # nothing changes for the other backends
 
 
+def test_use_vllm_with_the_default_fp8_rollouts_names_the_flag_the_precision_and_both_fixes(tmp_path):
+    with pytest.raises(ValueError) as err:
+        JetGRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, use_vllm=True)  # fp8 by default
+    message = str(err.value)
+    assert message.startswith("use_vllm=True with rollout_precision='fp8' (the default) is not supported: vLLM rolls "
+                              "out its own BF16 copy of the model")  # fmt: skip
+    assert "To keep vLLM, set rollout_precision='bf16'" in message
+    assert "for FP8 rollouts on the policy's own modules, drop use_vllm=True and set rollout_backend='engine'" in message
+    assert "rollout_backend='vllm'" not in message  # the user never wrote it
+
+
 @pytest.mark.parametrize(
     "kwargs, fragment",
     [
-        (dict(rollout_backend="vllm", rollout_precision="fp8"), "Supported: rollout_precision='bf16'"),
-        (dict(use_vllm=True, rollout_precision="nvfp4"), "not our quant modules"),
+        (dict(rollout_backend="vllm", rollout_precision="fp8"),
+         "rollout_backend='vllm' with rollout_precision='fp8' (the default) is not supported"),
+        (dict(use_vllm=True, rollout_precision="nvfp4"), "use_vllm=True with rollout_precision='nvfp4' is not supported"),
+        (dict(use_vllm=True, rollout_precision="nvfp4"), "NVFP4 there would quantize the synced weights"),
         (dict(use_vllm=True, vllm_importance_sampling_correction=True), "token_truncate -> corrector='tis'"),
         (dict(use_vllm=True, rollout_backend="hf"), "use_vllm=True contradicts rollout_backend='hf'"),
-        (dict(use_vllm=True, use_transformers_continuous_batching=True), "contradicts rollout_backend='vllm'"),
+        (dict(use_vllm=True, use_transformers_continuous_batching=True),
+         "use_transformers_continuous_batching=True contradicts use_vllm=True; unset one of the two flags."),
         (dict(use_vllm=True, vllm_mode="server", use_cpu=True), "On CPU use vllm_mode='colocate'"),
         (dict(use_vllm=True, vllm_enable_sleep_mode=True, use_cpu=True), "leave it False on CPU"),
     ],
@@ -52,7 +66,7 @@ def test_server_mode_is_refused_without_cuda_even_without_use_cpu(tmp_path):
 
 def test_composition_resolves_vllm_for_causal_lms_only():
     assert resolve_rollout_backend("vllm", diffusion=False, continuous_batching=False)[0] == "vllm"
-    with pytest.raises(ValueError, match="cannot sample a diffusion LM"):
+    with pytest.raises(ValueError, match=r"^rollout_backend='vllm' \(or use_vllm=True\) cannot sample a diffusion LM"):
         resolve_rollout_backend("vllm", diffusion=True, continuous_batching=False)
 
 
