@@ -304,7 +304,7 @@ def generate(
             blocks; the block's other steps recompute only the current and later positions.
         generator: RNG for the Gumbel noise and random remasking, on ``prompt_ids``' device.
         cuda_graph: run the denoise step as captured CUDA graphs (CUDA only; opt-in: on the H200 it
-            measured no faster than eager for LLaDA-8B shapes, see docs/benchmarks.md). Randomness
+            measured no faster than eager for LLaDA-8B shapes, see docs/performance.md). Randomness
             then comes from the default CUDA generator (``generator`` must be None).
         progress: show a tqdm bar over the steps.
         on_step: called after every step with a :class:`DenoiseStepInfo` (for tests / tracing).
