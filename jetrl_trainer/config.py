@@ -143,7 +143,7 @@ class JetGRPOConfig(GRPOConfig):
             them in FP8 E4M3 with one FP32 scale per token and KV head (about half the cache memory and
             attention bytes). The rollout then departs from the training forward, so it is refused in the
             unified flow (`train_precision == rollout_precision`) and needs a corrector. It saves memory,
-            not time (1.3-1.5x slower than the model-dtype cache on an H200, docs/benchmarks.md §7).
+            not time (1.3-1.5x slower than the model-dtype cache on an H200, docs/performance.md).
         rollout_keep_engine_state (`bool`, *optional*, defaults to `False`):
             `rollout_backend="engine"` (or `"auto"` choosing it) only: keep the engine's KV cache and CUDA
             graphs between rollouts instead of freeing them, so rollouts after the first skip the graph
@@ -347,7 +347,7 @@ class JetGRPOConfig(GRPOConfig):
             "help": "torch.compile the policy's decoder layers for the trainer's train-phase log-prob forwards (the "
             "loss, the old and reference log-probs); rollouts are not compiled. Sequences are right-padded to a "
             "multiple of compile_length_multiple so that few shapes compile. On an H200 the compiled backbone made "
-            "an 8B-shaped actor update 1.14x faster in BF16 and FP8 alike (docs/benchmarks.md §9). Falls back to "
+            "an 8B-shaped actor update 1.14x faster in BF16 and FP8 alike (docs/performance.md). Falls back to "
             "eager, with the reason logged, under gradient checkpointing, DeepSpeed ZeRO-3 and for diffusion LMs."
         },
     )
@@ -369,7 +369,7 @@ class JetGRPOConfig(GRPOConfig):
             "'reduce-overhead' replays the compiled forward and backward as CUDA graphs, so no host time per "
             "kernel launch is exposed (one graph set per "
             "padded length; costs the graphs' memory pool and compile time). On an H200 it took an 8B-shaped FP8 "
-            "actor update from 202 to 190 ms at 8 layers (docs/benchmarks.md §9). None is torch's default "
+            "actor update from 202 to 190 ms at 8 layers (docs/performance.md). None is torch's default "
             "(inductor kernels, launched from Python each call)."
         },
     )

@@ -1,14 +1,14 @@
 """``requant_transpose_fp8`` as a hand-written CUDA kernel (opt-in; compiled at first use with NVRTC).
 
 Why CUDA here: WGrad's operand ``X_q'ᵀ`` is a transpose of 1-byte data, and every Triton launch of it
-(docs/benchmarks.md §1: byte tiles, FP32 tiles, four tokens packed per word) stops at 25–37% of copy
+(docs/history.md §1: byte tiles, FP32 tiles, four tokens packed per word) stops at 25–37% of copy
 bandwidth, because Triton moves the tile through shared memory with its generic layout conversion.
 This kernel chooses the shared-memory layout itself: one (128 tokens x 64 features) tile per block of
 256 threads; 16-byte global loads into shared memory, XOR-swizzled so that the transposing reads are
 free of bank conflicts; each thread then owns 4 features x 8 tokens, reduces the amax over the group's
 128 tokens with warp shuffles and writes 8 contiguous bytes per feature.
 
-Measured on the H200 (docs/benchmarks.md §1, run 45): the same bits as the Triton kernel, at 0.315 of
+Measured on the H200 (docs/history.md §1, run 45): the same bits as the Triton kernel, at 0.315 of
 copy bandwidth against the Triton PACK4 launch's 0.370. The layout was not the bound: the per-element
 work (dequantize, amax, IEEE division, cast; about 60 SASS instructions) saturates instruction issue.
 So it stays opt-in.

@@ -11,7 +11,7 @@ in a second small launch. Its activation comes in two forms with the same bits:
 * unquantized (``fp8_decode_linear``): each program quantizes its K slice in the prologue with
   the very ``@triton.jit`` functions of ``act_quant_fp8`` (bit-identical to
   ``quantize_fp8_groups``). One launch fewer, but every N tile re-quantizes its slice, which
-  measured slower on the H200 at every decode M (docs/benchmarks.md §7), so it is off by default
+  measured slower on the H200 at every decode M (docs/history.md §7), so it is off by default
   (``PROLOGUE_MAX_M``).
 
 See ``_triton_decode_gemm_jit.py`` for the kernel layout.
@@ -67,7 +67,7 @@ DECODE_MAX_M = 64
 # the weight tiles of its first groups each program asks L2 for before it waits for the kernel before.
 # TMA: load the weight (and a prequantized activation) through tensor descriptors instead of pointers
 # (Hopper and newer; the same bits). Off: on the H200 it won only q/k/v at M = 16 (8.22 against 8.50 us)
-# and never made the top four at M = 64 (docs/benchmarks.md §7, run 37).
+# and never made the top four at M = 64 (docs/history.md §7, run 37).
 # SCALE_AHEAD: 1 loads the activation / weight scales one K group ahead (the jit module's doc); the
 # same bits (GPU test). H200, 8B shape, batch-64 decode step (run 46): the decode GEMMs 2.651 -> 2.627
 # ms, the step 5.106 -> 5.067 ms in replay; neutral at batch 256.
@@ -84,7 +84,7 @@ DECODE_MAX_M = 64
 # SM instead of three. Off: slower (run 48, k = 4: the decode GEMMs 3.255 -> 3.523 ms).
 # Triton's automatic warp specialization of the K loop (TMA producer warps, one 12-warp program per SM)
 # kept the bits but made the batch-64 step's decode GEMMs 1.75x slower (2.65 -> 4.65 ms, run 46,
-# docs/benchmarks.md §7), so it was removed.
+# docs/history.md §7), so it was removed.
 LAUNCH = dict(BLOCK_N=64, WAVES=2, MIN_GROUPS_PER_SPLIT=4, SWAP_BELOW_M=64, num_warps=4, num_stages=3, MAX_BLOCK_M=64,
               PREFETCH_GROUPS=2, TMA=0, SCALE_AHEAD=1, BALANCE=1, PREFETCH_AHEAD=0)  # fmt: skip
 # Up to this M a QuantLinear quantizes the activation in the GEMM's prologue. 0: never. Every N tile

@@ -28,7 +28,7 @@ _TILE_ELEMENTS = 4096  # elements per program tile of the narrow-row norm kernel
 # Warps of the fused residual add + RMSNorm launch; None: by row width, up to 32 for rows of 4096.
 # At decode it runs one program per row (16-64 programs), so wide programs keep more loads in flight:
 # on the H200 the o projection's epilogue at M = 64 took 13.4 us with 32 warps against 15.0 with 8
-# and 17.0 with 4 (benchmarks/bench_decode_gemm.py --epilogue, docs/benchmarks.md §7). A benchmark knob.
+# and 17.0 with 4 (benchmarks/bench_decode_gemm.py --epilogue, docs/history.md §7). A benchmark knob.
 ADD_NORM_WARPS: Optional[int] = None
 
 

@@ -46,7 +46,7 @@ LAUNCH = {
 }
 # requant-transpose through the hand-written CUDA kernel (kernels/cuda_requant_transpose.py) where it takes
 # the shape; the Triton kernel otherwise. Off: on the H200 it gives the Triton kernel's bits but ran at
-# 0.315 of copy bandwidth against 0.370 for the PACK4 launch (docs/benchmarks.md §1, run 45): both are
+# 0.315 of copy bandwidth against 0.370 for the PACK4 launch (docs/history.md §1, run 45): both are
 # bound by instruction issue (the IEEE division per element), not by the transpose's layout.
 REQUANT_TRANSPOSE_CUDA = False
 

@@ -65,7 +65,7 @@ __all__ = ["QuantLinear", "invalidate_weight_caches"]
 _generation = 0
 # Backward's own 1×128 scales (dY for DGrad, dYᵀ and X_q'ᵀ for WGrad) written M-major, the layout
 # `torch._scaled_mm` takes, instead of row-major then copied by the backend (3 small copies per
-# backward). Same bits (GPU test). Off: on the H200 (docs/benchmarks.md §3, run 41) it took 4% off an
+# backward). Same bits (GPU test). Off: on the H200 (docs/history.md §3, run 41) it took 4% off an
 # eager fwd+bwd but added 3% under a CUDA graph (the wide layers' kernels write strided scales).
 BACKWARD_MN_MAJOR_SCALES = False
 

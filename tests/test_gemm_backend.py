@@ -222,6 +222,6 @@ def test_every_cuda_backend_agrees_with_emulated():
     for name in kernels.available_gemm_backends("cuda"):
         out = kernels.fp8_gemm_nt(a, b, out_dtype=torch.float32, backend=name)
         # Hopper's FP8 MMA accumulates inside a 128-group with reduced precision: measured 1.2-1.5e-4
-        # norm-wise relative to the exact FP64 group sums (docs/benchmarks.md), so bound the norm.
+        # norm-wise relative to the exact FP64 group sums (docs/performance.md), so bound the norm.
         rel = relative_error(out, ref)
         assert rel < 3e-4, f"backend {name}: relative error {rel:.2e}"
