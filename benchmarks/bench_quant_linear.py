@@ -11,8 +11,7 @@ M = 8192 tokens. Two FP8 timings per layer:
 
 ``--refresh`` times only the weight-cache refresh after an optimizer step (FP8 weight and dgrad's
 transposed copy, written into the cached tensors) against the way it ran before (fresh tensors
-copied over the cached ones), and the re-quantized fwd+bwd both ways, in one run. ``--scales`` times
-the re-quantized fwd+bwd with backward's scales row-major against M-major (no copy in ``scaled_mm``).
+copied over the cached ones), and the re-quantized fwd+bwd both ways, in one run.
 WGrad's ``dY.t()`` goes to the act-quant kernel as a strided view (no transposed copy).
 Target (issue 6): ≥ 1.4× BF16 (Jet-RL reports 1.54× for the actor update; moonshot ≥ 1.6×).
 """
@@ -130,8 +129,8 @@ def _refresh_by_copy():
     import jetrl_trainer.quant.linear as linear
 
     saved = linear.weight_quant_fp8, linear.transpose_fp8_blocks
-    linear.weight_quant_fp8 = lambda w, scale_format="fp32", out=None: saved[0](w, scale_format)
-    linear.transpose_fp8_blocks = lambda q, s, out=None: saved[1](q, s)
+    linear.weight_quant_fp8 = lambda w, scale_format="fp32", *, out=None, **launch: saved[0](w, scale_format, **launch)
+    linear.transpose_fp8_blocks = lambda q, s, *, out=None, **launch: saved[1](q, s, **launch)
     try:
         yield
     finally:
@@ -161,27 +160,8 @@ def run_refresh() -> dict:
     return {"environment": environment(), "M": M_TRAIN, "rows": rows, "all_seven_layers": total}
 
 
-def run_scales() -> dict:
-    """The re-quantized fwd+bwd (eager and one CUDA graph) with backward's scales row-major (copied by
-    ``scaled_mm``'s operand preparation) against M-major (``quant.linear.BACKWARD_MN_MAJOR_SCALES``)."""
-    import jetrl_trainer.quant.linear as linear
-
-    rows = []
-    for name, (n, k) in QWEN3_8B.items():
-        step = _requantized_fp8_step(n, k)
-        row = {"layer": name, "N": n, "K": k}
-        for mode, flag in (("row_major", False), ("mn_major", True)):
-            linear.BACKWARD_MN_MAJOR_SCALES = flag
-            row[f"{mode}_ms"] = round(bench_ms(step), 3)
-            row[f"{mode}_graph_ms"] = round(bench_graph_ms(step, calls=3, replays=10), 3)
-        linear.BACKWARD_MN_MAJOR_SCALES = False
-        rows.append(row)
-    total = {key: round(sum(r[key] for r in rows), 3) for key in rows[0] if key.endswith("_ms")}
-    return {"environment": environment(), "M": M_TRAIN, "rows": rows, "all_seven_layers": total}
-
-
 if __name__ == "__main__":
     import sys
 
     args = sys.argv[1:]
-    dump(run_refresh() if "--refresh" in args else run_scales() if "--scales" in args else run())
+    dump(run_refresh() if "--refresh" in args else run())

@@ -1,35 +1,44 @@
-"""Sweep the launch parameters of the Triton quant kernels (``triton_quant.LAUNCH``) on this GPU.
+"""Sweep the launch settings of the Triton quant kernels (``QuantKernelSettings``) on this GPU.
 
-Prints, per kernel, the time of each configuration and the best one; the winners are written
-into ``LAUNCH`` by hand. Bandwidth is counted as in bench_quant_kernels.py.
+Each variant is a ``QuantKernelSettings`` built from the defaults with one entry replaced
+(``dataclasses.replace``) and passed to the kernels; nothing global is changed. Prints, per entry,
+each value's fraction of the copy bandwidth and the best one, then the winners together as a
+``QuantKernelSettings(...)`` expression for the defaults in ``kernels/settings.py``. Bandwidth is
+counted as in bench_quant_kernels.py.
 
 Usage: ``python tune_quant_kernels.py [NAME ...]`` (names of ``SWEEP`` and ``gemm``; all by default).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import torch
 
 from _common import bench_ms, copy_bandwidth_gbs, dump, environment
 from jetrl_trainer.kernels import act_quant_fp8, requant_transpose_fp8, transpose_fp8_blocks, weight_quant_fp8
-from jetrl_trainer.kernels import cuda_requant_transpose, fp8_gemm_nt, triton_gemm, triton_quant
+from jetrl_trainer.kernels import fp8_gemm_nt, triton_gemm
+from jetrl_trainer.kernels.settings import QuantKernelSettings
 
 M, K = 16384, 4096
 
-SWEEP = {
-    "act": [(16, 2, 4), (8, 4, 4), (4, 8, 4), (16, 4, 8), (32, 2, 8), (8, 2, 4)],
-    "act_t": [(64, 1, 4), (32, 1, 4), (64, 1, 8), (32, 2, 4), (32, 1, 2)],
-    "weight": [(8,), (16,), (32,)],
-    "requant_t": [(32, 4, False, False), (32, 4, True, False), (64, 4, True, False), (128, 8, True, False),
-                  (32, 2, True, False), (16, 2, False, False), (32, 4, False, True), (64, 4, False, True),
-                  (64, 8, False, True), (128, 8, False, True), (32, 2, False, True), (16, 2, False, True)],
-    "transpose": [(64, 256, 8), (128, 256, 8), (64, 512, 8), (32, 256, 4), (128, 128, 4)],
+SWEEP = {  # name: (the QuantKernelSettings fields it sets, the values tried)
+    "act": (("act",), [(16, 2, 4), (8, 4, 4), (4, 8, 4), (16, 4, 8), (32, 2, 8), (8, 2, 4)]),
+    "act_transposed": (("act_transposed",), [(64, 1, 4), (32, 1, 4), (64, 1, 8), (32, 2, 4), (32, 1, 2)]),
+    "weight": (("weight_warps",), [8, 16, 32]),
+    "requant": (("requant_block_k", "requant_warps"), [(32, 4), (64, 4), (64, 8), (128, 8), (32, 2), (16, 2)]),
+    "transpose": (("transpose",), [(64, 256, 8), (128, 256, 8), (64, 512, 8), (32, 256, 4), (128, 128, 4)]),
 }
 
 
-def run(names: list[str]) -> dict:
+def variant(base: QuantKernelSettings, name: str, value) -> QuantKernelSettings:
+    """``base`` with sweep ``name``'s fields set to ``value``."""
+    fields = SWEEP[name][0]
+    return dataclasses.replace(base, **(dict(zip(fields, value)) if len(fields) > 1 else {fields[0]: value}))
+
+
+def run(names: list[str] | tuple[str, ...] = ()) -> dict:
     torch.manual_seed(0)
     copy = copy_bandwidth_gbs()
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
@@ -37,38 +46,35 @@ def run(names: list[str]) -> dict:
     xq = act_quant_fp8(x)
     wq = weight_quant_fp8(w)
     s_bytes = M * K // 128 * 4
-    work = {
-        "act": (lambda: act_quant_fp8(x), x.numel() * 3 + s_bytes),
-        "act_t": (lambda: act_quant_fp8(x.t()), x.numel() * 3 + s_bytes),
-        "weight": (lambda: weight_quant_fp8(w), w.numel() * 3),
-        "requant_t": (lambda: requant_transpose_fp8(*xq), x.numel() * 2 + 2 * s_bytes),
-        "transpose": (lambda: transpose_fp8_blocks(*wq), w.numel() * 2),
+    work = {  # name: (one call with the given settings, bytes it moves)
+        "act": (lambda s: act_quant_fp8(x, settings=s), x.numel() * 3 + s_bytes),
+        "act_transposed": (lambda s: act_quant_fp8(x.t(), settings=s), x.numel() * 3 + s_bytes),
+        "weight": (lambda s: weight_quant_fp8(w, settings=s), w.numel() * 3),
+        "requant": (lambda s: requant_transpose_fp8(*xq, settings=s), x.numel() * 2 + 2 * s_bytes),
+        "transpose": (lambda s: transpose_fp8_blocks(*wq, settings=s), w.numel() * 2),
     }
+    default = QuantKernelSettings()
+    best = default
     result = {"environment": environment(), "copy_GB/s": round(copy, 1)}
-    for name, configs in SWEEP.items():
+    for name, (_, values) in SWEEP.items():
         if names and name not in names:
             continue
         fn, n_bytes = work[name]
-        original = triton_quant.LAUNCH[name]
         timings = {}
-        for cfg in configs:
-            triton_quant.LAUNCH[name] = cfg
+        for value in values:
+            settings = variant(default, name, value)
             try:
-                ms = bench_ms(fn, rep_ms=100)
-                timings[str(cfg)] = round(n_bytes / (ms * 1e-3) / 1e9 / copy, 3)
-            except Exception as exc:  # a config that does not compile
-                timings[str(cfg)] = f"{type(exc).__name__}"
-        triton_quant.LAUNCH[name] = original
-        if name == "requant_t" and cuda_requant_transpose.kernel(torch.cuda.current_device()) is None:
-            timings["cuda"] = "unavailable (NVRTC; the log says why)"
-        elif name == "requant_t":  # beside the Triton launches: the hand-written CUDA kernel, same bytes
-            triton_quant.REQUANT_TRANSPOSE_CUDA = True
-            try:
-                timings["cuda"] = round(n_bytes / (bench_ms(fn, rep_ms=100) * 1e-3) / 1e9 / copy, 3)
-            finally:
-                triton_quant.REQUANT_TRANSPOSE_CUDA = False
+                ms = bench_ms(lambda: fn(settings), rep_ms=100)
+                timings[str(value)] = round(n_bytes / (ms * 1e-3) / 1e9 / copy, 3)
+            except Exception as exc:  # a launch that does not compile
+                timings[str(value)] = f"{type(exc).__name__}"
         numeric = {k: v for k, v in timings.items() if isinstance(v, float)}
-        result[name] = {"fraction_of_copy": timings, "best": max(numeric, key=numeric.get) if numeric else None}
+        winner = max(numeric, key=numeric.get) if numeric else None
+        result[name] = {"fraction_of_copy": timings, "best": winner}
+        if winner is not None:
+            best = variant(best, name, values[list(timings).index(winner)])
+    result["settings"] = repr(best)  # each entry's winner, the rest the defaults
+    print(f"kernels/settings.py defaults: {best!r}", file=sys.stderr)
     if not names or "gemm" in names:
         result["triton_gemm_large"] = _tune_gemm()
     return result

@@ -85,15 +85,13 @@ def _fp8_bits(x, scale):
 
 @triton.jit
 def act_quant_kernel(
-    x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_xk, stride_qm, stride_sm, stride_sg,
+    x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_xk, stride_qm, stride_sm,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, GROUPS_PER_PROG: tl.constexpr, UE8M0: tl.constexpr,
 ):
-    """x [M, K] -> q [M, K] (uint8 view), s [M, ceil(K/GROUP)]; one [BLOCK_M, GROUPS_PER_PROG*GROUP] tile.
+    """x [M, K] -> q [M, K] (uint8 view), s [M, ceil(K/GROUP)] (row-major); one [BLOCK_M, GROUPS_PER_PROG*GROUP] tile.
 
     ``x`` may have any strides: for a transposed view (stride_xm == 1, specialised by Triton) the
     loads are coalesced along M and the compiler moves the tile through shared memory for the store.
-    ``s`` is row-major (stride_sg == 1, specialised) or M-major (stride_sm == 1: the layout
-    ``torch._scaled_mm`` takes, so no copy is made for it).
     """
     pid_m = tl.program_id(0)
     pid_g = tl.program_id(1)
@@ -108,7 +106,7 @@ def act_quant_kernel(
     tl.store(q_ptr + rows[:, None, None] * stride_qm + cols[None, :, :], q, mask=mask)
     n_groups = tl.cdiv(K, GROUP)
     s_mask = (rows[:, None] < M) & (groups[None, :] < n_groups)
-    tl.store(s_ptr + rows[:, None] * stride_sm + groups[None, :] * stride_sg, scale, mask=s_mask)
+    tl.store(s_ptr + rows[:, None] * stride_sm + groups[None, :], scale, mask=s_mask)
 
 
 @triton.jit
@@ -132,20 +130,18 @@ def weight_quant_kernel(
 
 @triton.jit
 def requant_transpose_kernel(
-    q_ptr, s_ptr, qt_ptr, st_ptr, M, K, stride_qm, stride_sm, stride_qtk, stride_stk, stride_stg,
-    GROUP: tl.constexpr, BLOCK_K: tl.constexpr, UE8M0: tl.constexpr, TRANS_F32: tl.constexpr,
-    PACK4: tl.constexpr = False,
+    q_ptr, s_ptr, qt_ptr, st_ptr, M, K, stride_qm, stride_sm, stride_qtk, stride_stk,
+    GROUP: tl.constexpr, BLOCK_K: tl.constexpr, UE8M0: tl.constexpr, PACK4: tl.constexpr,
 ):
-    """q [M, K] fp8 (uint8 view) with s [M, ceil(K/GROUP)] -> qt [K, M], st [K, ceil(M/GROUP)]
-    (st row-major, stride_stg == 1, or K-major, stride_stk == 1).
+    """q [M, K] fp8 (uint8 view) with s [M, ceil(K/GROUP)] -> qt [K, M], st [K, ceil(M/GROUP)] (row-major).
 
     Dequantizes one (GROUP tokens x BLOCK_K features) tile (``q.float() * s``, as the reference),
     then re-quantizes it in GROUP x 1 groups along the tokens and writes it transposed.
-    BLOCK_K divides GROUP, so each tile column reads one input scale per token. TRANS_F32 moves
-    the FP32 tile through shared memory instead of the FP8 bytes (a tuning choice, same values).
+    BLOCK_K divides GROUP, so each tile column reads one input scale per token.
     PACK4 (M % 4 == 0, ``qt_ptr`` a 32-bit view of qt, ``stride_qtk`` in words) packs four consecutive
     tokens' bytes into one 32-bit word before the transpose, so the shared-memory round trip moves
-    words instead of single bytes (same bits: the amax and the scale do not depend on the layout).
+    words instead of single bytes (same bits: the amax and the scale do not depend on the layout);
+    other M take the byte transpose.
     """
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -154,13 +150,13 @@ def requant_transpose_kernel(
                                                pid_k, GROUP, BLOCK_K, UE8M0)  # fmt: skip
     else:
         scale, cols = _requant_transpose_bytes(q_ptr, s_ptr, qt_ptr, M, K, stride_qm, stride_sm, stride_qtk, pid_m,
-                                               pid_k, GROUP, BLOCK_K, UE8M0, TRANS_F32)  # fmt: skip
-    tl.store(st_ptr + cols.to(tl.int64) * stride_stk + pid_m * stride_stg, scale, mask=cols < K)
+                                               pid_k, GROUP, BLOCK_K, UE8M0)  # fmt: skip
+    tl.store(st_ptr + cols.to(tl.int64) * stride_stk + pid_m, scale, mask=cols < K)
 
 
 @triton.jit
 def _requant_transpose_bytes(q_ptr, s_ptr, qt_ptr, M, K, stride_qm, stride_sm, stride_qtk, pid_m, pid_k,
-                             GROUP: tl.constexpr, BLOCK_K: tl.constexpr, UE8M0: tl.constexpr, TRANS_F32: tl.constexpr):
+                             GROUP: tl.constexpr, BLOCK_K: tl.constexpr, UE8M0: tl.constexpr):
     rows = pid_m * GROUP + tl.arange(0, GROUP)
     cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     mask = (rows[:, None] < M) & (cols[None, :] < K)
@@ -169,10 +165,7 @@ def _requant_transpose_bytes(q_ptr, s_ptr, qt_ptr, M, K, stride_qm, stride_sm, s
     x = bits.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s_in[:, None]
     x = tl.where(mask, x, 0.0)  # absent tokens never raise the amax (and 0 * inf would be NaN)
     scale = _scale_from_amax(_amax(x, 0), UE8M0)  # (BLOCK_K,)
-    if TRANS_F32:
-        qt = _fp8_bits(tl.trans(x), scale[:, None])  # (BLOCK_K, GROUP)
-    else:
-        qt = tl.trans(_fp8_bits(x, scale[None, :]))
+    qt = tl.trans(_fp8_bits(x, scale[None, :]))  # (BLOCK_K, GROUP)
     tl.store(qt_ptr + cols[:, None].to(tl.int64) * stride_qtk + rows[None, :], qt, mask=tl.trans(mask))
     return scale, cols
 

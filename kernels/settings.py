@@ -81,13 +81,17 @@ class DecodeAttentionSettings:
 
 @dataclass(frozen=True)
 class QuantKernelSettings:
-    """The FP8 quantization kernels (``kernels/triton_quant.py``).
+    """The FP8 quantization kernels (``kernels/triton_quant.py``); none of them changes a bit.
+
+    Defaults from sweeps of ``benchmarks/tune_quant_kernels.py`` on an H200 (docs/benchmarks.md §1),
+    which prints its winners as a ``QuantKernelSettings(...)`` to put here. Every entry is a power of two.
 
     Parameters:
         act: (rows per program, 128-groups per program, warps) of the activation quant.
         act_transposed: the same for an input with stride(0) == 1 (``dY.t()``).
         weight_warps: warps of the 128×128 weight quant.
-        requant_block_k, requant_warps: the WGrad operand's transpose + re-quant.
+        requant_block_k, requant_warps: features per program and warps of the WGrad operand's
+            transpose + re-quant.
         transpose: (BLOCK_R, BLOCK_C, warps) of the FP8 block transpose (DGrad's weight).
     """
 
@@ -104,3 +108,7 @@ class QuantKernelSettings:
             value = getattr(self, name)
             if not (isinstance(value, tuple) and len(value) == 3 and all(isinstance(v, int) and v > 0 for v in value)):
                 raise ValueError(f"QuantKernelSettings.{name} must be a tuple of three positive ints; got {value!r}.")
+        for name in ("act", "act_transposed", "weight_warps", "requant_block_k", "requant_warps", "transpose"):
+            value = getattr(self, name)
+            if any(v & (v - 1) for v in (value if isinstance(value, tuple) else (value,))):
+                raise ValueError(f"QuantKernelSettings.{name} must be powers of two (Triton tile sizes); got {value!r}.")

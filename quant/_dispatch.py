@@ -3,7 +3,8 @@
 The kernel runs when the tensor is on CUDA, ``kernels/triton_quant.py`` imported
 (``kernels.optional_module``), Triton works and ``JETRL_DISABLE_TRITON`` is not ``"1"``
 (``kernels.triton_enabled()``, read once); otherwise the reference in
-:mod:`jetrl_trainer.quant.fp8` runs. Both produce the same bits (kernel tests check).
+:mod:`jetrl_trainer.quant.fp8` runs. Both produce the same bits (kernel tests check). ``settings``
+(an FP8 recipe's ``kernels``) is the kernels' launch; the reference ignores it.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Optional
 import torch
 
 from jetrl_trainer import kernels
-from jetrl_trainer.kernels.gemm import column_major
+from jetrl_trainer.kernels.settings import QuantKernelSettings
 from jetrl_trainer.quant._handoff import take_prequantized
 from jetrl_trainer.quant.fp8 import dequantize_fp8_groups, quantize_fp8_blocks, quantize_fp8_groups
 
@@ -35,22 +36,21 @@ def _kernel(name: str, x: torch.Tensor) -> Optional[Callable[..., Pair]]:
     return getattr(module, name) if module is not None else None
 
 
-def act_quant_fp8(x2d: torch.Tensor, scale_format: str = "fp32", *, mn_major_scales: bool = False) -> Pair:
+def act_quant_fp8(
+    x2d: torch.Tensor, scale_format: str = "fp32", *, settings: QuantKernelSettings = QuantKernelSettings()
+) -> Pair:
     """``x [M, K]`` -> ``(q [M, K] fp8, s [M, ceil(K/128)] fp32)``, 1×128 groups along K.
 
     A pair already offered by a fused producer (RMSNorm/SwiGLU + quant) is served as is. The Triton
     kernel reads any strides (e.g. ``dY.t()`` for WGrad), so no transposed copy is made for it.
-    ``mn_major_scales``: ``s`` with strides ``(1, M)``, the layout ``torch._scaled_mm`` takes (same
-    values; an offered pair keeps its own layout, which every GEMM backend reads).
     """
     prequantized = take_prequantized(x2d, scale_format)
     if prequantized is not None:
         return prequantized
     fast = _kernel("act_quant_fp8", x2d)
     if fast is not None:
-        return fast(x2d, scale_format=scale_format, mn_major_scales=mn_major_scales)
-    q, s = quantize_fp8_groups(x2d.contiguous(), 128, scale_format=scale_format)
-    return q, column_major(s) if mn_major_scales else s
+        return fast(x2d, scale_format=scale_format, settings=settings)
+    return quantize_fp8_groups(x2d.contiguous(), 128, scale_format=scale_format)
 
 
 def decode_gemm_module(x2d: torch.Tensor, max_m: Optional[int] = None) -> Optional[ModuleType]:
@@ -85,7 +85,10 @@ def decode_linear_fp8(
     return module.fp8_decode_linear(x2d, w_q, w_s, bias, scale_format=scale_format, out_dtype=out_dtype)
 
 
-def weight_quant_fp8(w: torch.Tensor, scale_format: str = "fp32", *, out: Optional[Pair] = None) -> Pair:
+def weight_quant_fp8(
+    w: torch.Tensor, scale_format: str = "fp32", *, out: Optional[Pair] = None,
+    settings: QuantKernelSettings = QuantKernelSettings(),
+) -> Pair:  # fmt: skip
     """``w [N, K]`` -> ``(q [N, K] fp8, s_inv [ceil(N/128), ceil(K/128)] fp32)``, 128×128 blocks.
 
     ``out``: tensors of that layout to write into (and return); where the kernel cannot write them
@@ -95,22 +98,24 @@ def weight_quant_fp8(w: torch.Tensor, scale_format: str = "fp32", *, out: Option
     fast = _kernel("weight_quant_fp8", w)
     if fast is not None:
         n, k = w.shape
-        return fast(w, scale_format=scale_format, out=_fitting(out, w, ((n, k), (-(-n // 128), -(-k // 128)))))
+        out = _fitting(out, w, ((n, k), (-(-n // 128), -(-k // 128))))
+        return fast(w, scale_format=scale_format, out=out, settings=settings)
     return quantize_fp8_blocks(w, 128, scale_format=scale_format)
 
 
 def requant_transpose_fp8(
-    q: torch.Tensor, s: torch.Tensor, scale_format: str = "fp32", *, mn_major_scales: bool = False
-) -> Pair:
+    q: torch.Tensor, s: torch.Tensor, scale_format: str = "fp32", *,
+    settings: QuantKernelSettings = QuantKernelSettings(),
+) -> Pair:  # fmt: skip
     """The WGrad operand: ``(q [M, K], s [M, ceil(K/128)])`` -> ``(qt [K, M], st [K, ceil(M/128)])``,
-    i.e. the dequantized tensor transposed and re-quantized in 1×128 groups along M
-    (``mn_major_scales``: ``st`` with strides ``(1, K)``, as in `act_quant_fp8`).
+    i.e. the dequantized tensor transposed and re-quantized in 1×128 groups along M.
 
     Layers that share an input (q/k/v, gate/up) save the same ``(q, s)`` pair, handed over by the fused
     norm, so the result is kept while ``q`` lives and served again: one launch instead of three (or
-    two) per layer in backward. Keyed by storage, layout and version, as the hand-off is."""
+    two) per layer in backward. Keyed by storage, layout and version, as the hand-off is (not by
+    ``settings``: they change no bit)."""
     memo = _requant_table()
-    key = (q.data_ptr(), s.data_ptr(), scale_format, mn_major_scales)
+    key = (q.data_ptr(), s.data_ptr(), scale_format)
     entry = memo.get(key) if memo is not None else None
     if entry is not None:
         ref, version, layout, pair = entry
@@ -118,10 +123,9 @@ def requant_transpose_fp8(
             return pair
     fast = _kernel("requant_transpose_fp8", q)
     if fast is not None:
-        pair = fast(q, s, scale_format=scale_format, mn_major_scales=mn_major_scales)
+        pair = fast(q, s, scale_format=scale_format, settings=settings)
     else:
-        qt, st = quantize_fp8_groups(dequantize_fp8_groups(q, s).t().contiguous(), 128, scale_format=scale_format)
-        pair = qt, column_major(st) if mn_major_scales else st
+        pair = quantize_fp8_groups(dequantize_fp8_groups(q, s).t().contiguous(), 128, scale_format=scale_format)
     if memo is not None:
         # The entry dies with q (autograd frees it after the last layer that saved it), so q's storage is
         # never reused while the entry exists. The siblings' backwards run one after another, so the few
@@ -146,13 +150,16 @@ def _layout(q: torch.Tensor, s: torch.Tensor) -> tuple:
     return q.shape, q.stride(), q.dtype, s.shape, s.stride(), s._version
 
 
-def transpose_fp8_blocks(q: torch.Tensor, s_inv: torch.Tensor, *, out: Optional[Pair] = None) -> Pair:
+def transpose_fp8_blocks(
+    q: torch.Tensor, s_inv: torch.Tensor, *, out: Optional[Pair] = None,
+    settings: QuantKernelSettings = QuantKernelSettings(),
+) -> Pair:  # fmt: skip
     """The DGrad operand: the same FP8 weight transposed with its block-scale grid, no re-quantization
     (``out`` as in `weight_quant_fp8`)."""
     fast = _kernel("transpose_fp8_blocks", q)
     if fast is not None:
         shapes = ((q.shape[1], q.shape[0]), (s_inv.shape[1], s_inv.shape[0]))
-        return fast(q, s_inv, out=_fitting(out, q, shapes))
+        return fast(q, s_inv, out=_fitting(out, q, shapes), settings=settings)
     return q.t().contiguous(), s_inv.t().contiguous()
 
 

@@ -63,11 +63,6 @@ from jetrl_trainer.quant.stats import record_gemm
 __all__ = ["QuantLinear", "invalidate_weight_caches"]
 
 _generation = 0
-# Backward's own 1×128 scales (dY for DGrad, dYᵀ and X_q'ᵀ for WGrad) written M-major, the layout
-# `torch._scaled_mm` takes, instead of row-major then copied by the backend (3 small copies per
-# backward). Same bits (GPU test). Off: on the H200 (docs/history.md §3, run 41) it took 4% off an
-# eager fwd+bwd but added 3% under a CUDA graph (the wide layers' kernels write strided scales).
-BACKWARD_MN_MAJOR_SCALES = False
 
 
 def invalidate_weight_caches() -> None:
@@ -97,9 +92,9 @@ def _add_bias(y32: torch.Tensor, bias: Optional[torch.Tensor], out_dtype: torch.
 # ---------------------------------------------------------------------------------------------
 
 
-def _fp8_forward(x2d, w_q, w_s, bias, scale_format: str, out_dtype: torch.dtype):
+def _fp8_forward(x2d, w_q, w_s, bias, recipe: FP8Recipe, out_dtype: torch.dtype):
     # Y [M, N] = X_q [M, K] (1x128 groups along K) ⊗ W_q [N, K] (128x128 blocks), FP32 accumulation
-    x_q, x_s = act_quant_fp8(x2d, scale_format)
+    x_q, x_s = act_quant_fp8(x2d, recipe.scale_format, settings=recipe.kernels)
     gemm_dtype = torch.float32 if bias is not None else out_dtype
     y = fp8_gemm_nt((x_q, x_s), (w_q, w_s), b_granularity="block", out_dtype=gemm_dtype)
     return _add_bias(y, bias, out_dtype), x_q, x_s
@@ -107,19 +102,20 @@ def _fp8_forward(x2d, w_q, w_s, bias, scale_format: str, out_dtype: torch.dtype)
 
 class _FP8LinearFunction(torch.autograd.Function):
     """FP8 linear with FP8 dgrad/wgrad; saves ``(X_q, X_s)`` and dgrad's weight, ``(W_qᵀ, W_sinvᵀ)``
-    when the transposed cache gave it, else ``(W_q, W_sinv)``; never X."""
+    when the transposed cache gave it, else ``(W_q, W_sinv)``; never X. Every quant kernel of both
+    passes launches with the recipe's ``kernels``."""
 
     @staticmethod
-    def forward(ctx, x2d, weight, bias, w_q, w_s, wt_q, wt_s, scale_format, out_dtype):
+    def forward(ctx, x2d, weight, bias, w_q, w_s, wt_q, wt_s, recipe, out_dtype):
         # (wt_q, wt_s): the cached transposed weight for dgrad, or None (transposed in backward).
-        y, x_q, x_s = _fp8_forward(x2d, w_q, w_s, bias, scale_format, out_dtype)
+        y, x_q, x_s = _fp8_forward(x2d, w_q, w_s, bias, recipe, out_dtype)
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         ctx.transposed = wt_q is not None
         dgrad_w = (wt_q, wt_s) if ctx.transposed else (w_q, w_s)
         ctx.save_for_backward(
             x_q if need_dw else None, x_s if need_dw else None, *(dgrad_w if need_dx else (None, None))
         )
-        ctx.scale_format = scale_format
+        ctx.recipe = recipe
         ctx.gemm_backend = forced_gemm_backend()  # autograd may run backward on another thread
         ctx.x_dtype, ctx.w_dtype = x2d.dtype, weight.dtype
         ctx.b_dtype = bias.dtype if bias is not None else None
@@ -130,19 +126,19 @@ class _FP8LinearFunction(torch.autograd.Function):
         x_q, x_s, w_q, w_s = ctx.saved_tensors
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         dy = dy.contiguous()  # [M, N], the output dtype (BF16 between operators)
-        fmt = ctx.scale_format
+        fmt, settings = ctx.recipe.scale_format, ctx.recipe.kernels
         dx = dw = db = None
         if need_dx:
             # grad_input: dX [M, K] = dY_q [M, N] (1x128 along N) ⊗ W_qᵀ [K, N] (128x128 blocks)
-            dy_q, dy_s = act_quant_fp8(dy, fmt, mn_major_scales=BACKWARD_MN_MAJOR_SCALES)
-            wt_q, wt_s = (w_q, w_s) if ctx.transposed else transpose_fp8_blocks(w_q, w_s)
+            dy_q, dy_s = act_quant_fp8(dy, fmt, settings=settings)
+            wt_q, wt_s = (w_q, w_s) if ctx.transposed else transpose_fp8_blocks(w_q, w_s, settings=settings)
             dx = fp8_gemm_nt(
                 (dy_q, dy_s), (wt_q, wt_s), b_granularity="block", out_dtype=ctx.x_dtype, backend=ctx.gemm_backend
             )
         if need_dw:
             # grad_weight: dW [N, K] = dYᵀ_q [N, M] (1x128 along M) ⊗ X_q'ᵀ [K, M] (1x128 along M)
-            dyt_q, dyt_s = act_quant_fp8(dy.t(), fmt, mn_major_scales=BACKWARD_MN_MAJOR_SCALES)
-            xt_q, xt_s = requant_transpose_fp8(x_q, x_s, fmt, mn_major_scales=BACKWARD_MN_MAJOR_SCALES)
+            dyt_q, dyt_s = act_quant_fp8(dy.t(), fmt, settings=settings)
+            xt_q, xt_s = requant_transpose_fp8(x_q, x_s, fmt, settings=settings)
             dw = fp8_gemm_nt(
                 (dyt_q, dyt_s), (xt_q, xt_s), b_granularity="group", out_dtype=ctx.w_dtype, backend=ctx.gemm_backend
             )
@@ -350,7 +346,7 @@ class QuantLinear(nn.Linear):
         w = self.weight.detach()
         if isinstance(recipe, FP8Recipe):
             # Into ``out`` (the stale cache) where the kernel can: no fresh copy to copy over it.
-            return weight_quant_fp8(w, recipe.scale_format, out=out)
+            return weight_quant_fp8(w, recipe.scale_format, out=out, settings=recipe.kernels)
         return quantize_nvfp4(w, outer="tensor", four_over_six=recipe.four_over_six).tensors()
 
     def quantized_weight(self, recipe: Recipe) -> tuple[torch.Tensor, ...]:
@@ -391,7 +387,8 @@ class QuantLinear(nn.Linear):
             return None
         w_q, w_s = weight if weight is not None else self.quantized_weight(recipe)
         tensors, missed = _cached(self._transposed_cache, _weight_quant_key(recipe), state,
-                                  lambda stale: transpose_fp8_blocks(w_q, w_s, out=stale))  # fmt: skip
+                                  lambda stale: transpose_fp8_blocks(w_q, w_s, out=stale,
+                                                                     settings=recipe.kernels))  # fmt: skip
         self.weight_transposes += missed
         return tensors
 
@@ -421,12 +418,12 @@ class QuantLinear(nn.Linear):
             if grad:
                 wt = self.transposed_fp8_weight(recipe, tensors) if x2d.requires_grad else None
                 wt_q, wt_s = wt if wt is not None else (None, None)
-                return _FP8LinearFunction.apply(x2d, w, b, w_q, w_s, wt_q, wt_s, recipe.scale_format, out_dtype)
+                return _FP8LinearFunction.apply(x2d, w, b, w_q, w_s, wt_q, wt_s, recipe, out_dtype)
             # Decode-sized M (rollouts): the split-K decode GEMM (kernels/triton_decode_gemm.py).
             y = decode_linear_fp8(x2d, w_q, w_s, b, recipe.scale_format, out_dtype)
             if y is not None:
                 return y
-            return _fp8_forward(x2d, w_q, w_s, b, recipe.scale_format, out_dtype)[0]
+            return _fp8_forward(x2d, w_q, w_s, b, recipe, out_dtype)[0]
         if not isinstance(recipe, NVFP4Recipe):
             raise ValueError(f"QuantLinear does not know how to run recipe {recipe!r}.")
         if grad:

@@ -159,38 +159,17 @@ def test_scaled_mm_operands_layout_and_padding(m, n, k, granularity):
     assert not got[m:].any() and not got[:, n:].any()  # padding contributes exact zeros
 
 
-def test_mn_major_scales_reach_scaled_mm_without_a_copy():
-    """Backward's scales written M-major (``mn_major_scales``) are what ``_scaled_mm`` takes: on aligned
-    shapes the prepared ``scale_a`` (and WGrad's ``scale_b``) are the same storage, not a copy; row-major
-    ones are copied, as before."""
-    from jetrl_trainer.quant._dispatch import act_quant_fp8, requant_transpose_fp8
-
-    dy, x = torch.randn(512, 512), torch.randn(512, 1024)  # 512 tokens: 4 groups of 128, no padding
-    x_q, x_s = quantize_fp8_groups(x)
-    w_q, w_s = quantize_fp8_blocks(torch.randn(512, 1024))
-    for mn_major in (False, True):
-        dy_q, dy_s = act_quant_fp8(dy, mn_major_scales=mn_major)  # DGrad's A (the reference path on CPU)
-        assert (dy_s.stride() == (1, 512)) is mn_major
-        _, _, sa, _ = prepare_scaled_mm_operands(dy_q, dy_s, w_q.t().contiguous(), w_s.t().contiguous(), "block")
-        assert (sa.data_ptr() == dy_s.data_ptr()) is mn_major
-        dyt_q, dyt_s = act_quant_fp8(dy.t(), mn_major_scales=mn_major)  # WGrad's A and B
-        xt_q, xt_s = requant_transpose_fp8(x_q, x_s, mn_major_scales=mn_major)
-        _, _, sa, sb = prepare_scaled_mm_operands(dyt_q, dyt_s, xt_q, xt_s, "group")
-        assert (sa.data_ptr() == dyt_s.data_ptr() and sb.data_ptr() == xt_s.data_ptr()) is mn_major
-        assert torch.equal(dyt_s, quantize_fp8_groups(dy.t().contiguous())[1])
-
-
 def test_custom_op_fake_shapes_on_meta():
     import jetrl_trainer.kernels  # noqa: F401  (registers the ops)
 
     x = torch.empty(300, 520, device="meta", dtype=torch.bfloat16)
-    q, s = torch.ops.jetrl.act_quant_fp8(x, 128, "fp32")
-    assert q.shape == (300, 520) and q.dtype == torch.float8_e4m3fn and s.shape == (300, 5)
-    qt, st = torch.ops.jetrl.requant_transpose_fp8(q, s, 128, "fp32")
-    assert qt.shape == (520, 300) and st.shape == (520, 3)
-    wq, ws = torch.ops.jetrl.weight_quant_fp8(x, 128, "fp32")
+    q, s = torch.ops.jetrl.act_quant_fp8(x, 128, "fp32", [16, 2, 4], [64, 1, 4])
+    assert q.shape == (300, 520) and q.dtype == torch.float8_e4m3fn and s.shape == (300, 5) and s.is_contiguous()
+    qt, st = torch.ops.jetrl.requant_transpose_fp8(q, s, 128, "fp32", 32, 4)
+    assert qt.shape == (520, 300) and st.shape == (520, 3) and st.is_contiguous()
+    wq, ws = torch.ops.jetrl.weight_quant_fp8(x, 128, "fp32", 16)
     assert ws.shape == (3, 5)
-    wt, wst = torch.ops.jetrl.transpose_fp8_blocks(wq, ws)
+    wt, wst = torch.ops.jetrl.transpose_fp8_blocks(wq, ws, [64, 256, 8])
     assert wt.shape == (520, 300) and wst.shape == (5, 3)
     y, q2, s2 = torch.ops.jetrl.rmsnorm_quant_fp8(x, torch.empty(520, device="meta", dtype=torch.float32), 1e-6, "fp32",
                                                   True)  # fmt: skip
@@ -214,3 +193,15 @@ def test_out_layout_error_names_what_cannot_take_a_quantized_pair():
     assert "not contiguous" in out_layout_error((q.t(), s.t()), w, ((384, 256), (3, 2)))
     assert "torch.float8_e4m3fn" in out_layout_error((q.float(), s), w, shapes)
     assert "1 tensors, not 2" in out_layout_error((q,), w, shapes)
+
+
+def test_quant_kernel_settings_refuse_what_triton_cannot_launch():
+    from jetrl_trainer.kernels.settings import QuantKernelSettings
+
+    assert QuantKernelSettings(act=(8, 4, 4), requant_block_k=64) != QuantKernelSettings()
+    with pytest.raises(ValueError, match="act must be a tuple of three positive ints"):
+        QuantKernelSettings(act=(16, 2))
+    with pytest.raises(ValueError, match="transpose must be powers of two"):
+        QuantKernelSettings(transpose=(64, 200, 8))
+    with pytest.raises(ValueError, match="requant_warps must be a positive int"):
+        QuantKernelSettings(requant_warps=0)

@@ -129,7 +129,7 @@ def test_decode_attention_output_quant_with_and_without_its_padding_rows(heads, 
     ref = kernel.decode_attention_reference(q, k, v, slots, lengths, 0.09)
     assert torch.allclose(out, ref, atol=1e-5, rtol=0)
     flat = out.reshape(3, heads * 128)
-    want_q, want_s = triton_quant._act_quant_op._init_fn(flat, 128, scale_format, False)
+    want_q, want_s = triton_quant._act_quant_op._init_fn(flat, 128, scale_format, *_act_launch())
     assert torch.equal(out_q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(out_s, want_s)
     assert torch.equal(out_s, quantize_fp8_groups(flat, 128, scale_format=scale_format)[1])
     assert out_q.view(torch.uint8).any()
@@ -275,51 +275,60 @@ def test_rmsnorm_backward_tiles_cover_every_row_once(m, k):
     assert torch.allclose(dw.double(), w64.grad, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("transposed", [False, True])
-def test_act_quant_writes_mn_major_scales_with_the_same_bits(transposed):
-    """``mn_major_scales`` changes only where the scales go (strides (1, M), what ``torch._scaled_mm``
-    takes): the FP8 bytes and scale values equal the row-major launch's, for a plain and a transposed
-    input (WGrad's ``dY.t()``), ragged M and K."""
-    from jetrl_trainer.kernels import triton_quant
+def _act_launch(settings=None) -> tuple[list[int], list[int]]:
+    """The act-quant custom op's launch arguments for ``settings`` (the default ``QuantKernelSettings()``)."""
+    from jetrl_trainer.kernels.settings import QuantKernelSettings
 
-    g = torch.Generator().manual_seed(int(transposed))
-    x = torch.randn(300, 200, generator=g) * 5
-    x = x.t() if transposed else x
-    q_row, s_row = triton_quant._act_quant_op._init_fn(x, 128, "fp32", False)
-    q_mn, s_mn = triton_quant._act_quant_op._init_fn(x, 128, "fp32", True)
-    assert s_row.stride() == (s_row.shape[1], 1) and s_mn.stride() == (1, s_mn.shape[0])
-    assert torch.equal(q_mn.view(torch.uint8), q_row.view(torch.uint8)) and torch.equal(s_mn, s_row)
-    assert torch.equal(s_row, quantize_fp8_groups(x.contiguous(), 128)[1])
+    settings = settings if settings is not None else QuantKernelSettings()
+    return list(settings.act), list(settings.act_transposed)
 
 
-def test_requant_transpose_writes_mn_major_scales_with_the_same_bits():
-    from jetrl_trainer.kernels import triton_quant
+def _quant_kernels(x, settings):
+    """The quant kernels' host launch code (the custom ops' implementations) on ``x``, launched with
+    ``settings``: act quant of ``x`` and of ``x.t()``, requant-transpose, block transpose. (Not the
+    weight quant: Triton 3.6's interpreter fails on its scalar scale's ``&``.)"""
+    from jetrl_trainer.kernels import triton_quant as kernels
 
-    q, s = quantize_fp8_groups(torch.randn(300, 200, generator=torch.Generator().manual_seed(3)) * 5, 128)
-    qt_row, st_row = triton_quant._requant_transpose_op._init_fn(q, s, 128, "fp32", False)
-    qt_mn, st_mn = triton_quant._requant_transpose_op._init_fn(q, s, 128, "fp32", True)
-    assert st_row.shape == (200, 3) and st_row.stride() == (3, 1) and st_mn.stride() == (1, 200)
-    assert torch.equal(qt_mn.view(torch.uint8), qt_row.view(torch.uint8)) and torch.equal(st_mn, st_row)
-    want = quantize_fp8_groups(dequantize_fp8_groups(q, s).t().contiguous(), 128)[1]
-    assert torch.equal(st_row, want)
+    q, s = kernels._act_quant_op._init_fn(x, 128, "fp32", *_act_launch(settings))
+    transposed = kernels._act_quant_op._init_fn(x.t(), 128, "fp32", *_act_launch(settings))
+    requant = kernels._requant_transpose_op._init_fn(q, s, 128, "fp32", settings.requant_block_k,
+                                                     settings.requant_warps)  # fmt: skip
+    blocks = kernels._transpose_blocks_op._init_fn(*quantize_fp8_blocks(x), list(settings.transpose))
+    return [t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+            for pair in ((q, s), transposed, requant, blocks) for t in pair]  # fmt: skip
+
+
+@pytest.mark.parametrize("shape", [(36, 200), (33, 130), (4, 96)])
+def test_quant_kernel_settings_change_no_bit(shape):
+    """Other tiles and warps (a ``QuantKernelSettings`` that a tuning sweep builds) give the default
+    launch's bits in every quant kernel, on ragged shapes."""
+    from jetrl_trainer.kernels.settings import QuantKernelSettings
+
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(shape[0])) * 5
+    tuned = QuantKernelSettings(act=(8, 4, 4), act_transposed=(32, 2, 4), weight_warps=8, requant_block_k=64,
+                                requant_warps=8, transpose=(32, 256, 4))  # fmt: skip
+    default = _quant_kernels(x, QuantKernelSettings())
+    for got, want in zip(_quant_kernels(x, tuned), default, strict=True):
+        assert got.shape == want.shape and torch.equal(got, want)
+    assert default[0].any() and default[4].any() and default[6].any()  # not an all-zero agreement
 
 
 @pytest.mark.parametrize("shape", [(300, 200), (256, 128), (4, 96), (132, 260)])
-def test_requant_transpose_packed_words_give_the_byte_paths_bits(monkeypatch, shape):
-    """PACK4 (four tokens per 32-bit word through the transpose) writes the bytes and scales of the byte
-    transpose, on ragged token and feature counts (M % 4 == 0; other M take the byte path)."""
+def test_requant_transpose_packed_words_give_the_byte_paths_bits(shape):
+    """M % 4 == 0 packs four tokens per 32-bit word through the transpose; other M move bytes. The same
+    tokens with an all-zero one appended (M + 1: the byte path; a zero raises no amax) give the same
+    bytes and scales, on ragged token and feature counts."""
     from jetrl_trainer.kernels import triton_quant
 
-    g = torch.Generator().manual_seed(shape[0])
-    q, s = quantize_fp8_groups(torch.randn(*shape, generator=g) * 5, 128)
-    results = []
-    for pack in (False, True):
-        monkeypatch.setitem(triton_quant.LAUNCH, "requant_t", (32, 4, False, pack))
-        results.append(triton_quant._requant_transpose_op._init_fn(q, s, 128, "fp32", False))
-    (qt_b, st_b), (qt_p, st_p) = results
-    assert qt_p.shape == qt_b.shape == shape[::-1]
-    assert torch.equal(qt_p.view(torch.uint8), qt_b.view(torch.uint8)) and torch.equal(st_p, st_b)
-    assert qt_b.view(torch.uint8).any()  # not an all-zero agreement
+    m, k = shape
+    q, s = quantize_fp8_groups(torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 5, 128)
+    q_odd, s_odd = torch.cat([q, torch.zeros(1, k, dtype=q.dtype)]), torch.cat([s, torch.ones(1, s.shape[1])])
+    qt_words, st_words = triton_quant._requant_transpose_op._init_fn(q, s, 128, "fp32", 32, 4)
+    qt_bytes, st_bytes = triton_quant._requant_transpose_op._init_fn(q_odd, s_odd, 128, "fp32", 32, 4)
+    assert qt_words.shape == (k, m) and qt_bytes.shape == (k, m + 1)
+    assert torch.equal(qt_words.view(torch.uint8), qt_bytes[:, :m].view(torch.uint8))
+    assert torch.equal(st_words, st_bytes[:, : st_words.shape[1]])
+    assert qt_words.view(torch.uint8).any() and not qt_bytes[:, m].view(torch.uint8).any()
 
 
 # Triton's interpreter rounds FP32 -> BF16 toward zero where the GPU rounds to nearest even (2.6856

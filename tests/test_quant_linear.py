@@ -82,21 +82,49 @@ def test_fp8_backward_is_exactly_the_contracted_data_flow():
     assert torch.equal(dw, want_dw)
 
 
-def test_mn_major_backward_scales_change_no_gradient_bit(monkeypatch):
-    """``BACKWARD_MN_MAJOR_SCALES`` lays backward's scales out for ``torch._scaled_mm`` (no copy there):
-    the gradients are bit for bit the row-major ones."""
-    import jetrl_trainer.quant.linear as linear
+def test_each_phase_launches_every_quant_kernel_with_its_recipes_kernel_settings(monkeypatch):
+    """The recipe owns the quant kernels' launch: the forward act quant, the weight quant and
+    transpose, dgrad's dY quant and wgrad's dYᵀ quant and X_q requant all get ``recipe.kernels`` of
+    the phase that runs. On CPU a spy stands in for the Triton kernels (the references compute)."""
+    from jetrl_trainer.kernels.settings import QuantKernelSettings
+    from jetrl_trainer.quant import _dispatch
 
-    _, q = _pair(n_in=260, n_out=130, bias=True)
-    x, dy = torch.randn(150, 260), torch.randn(150, 130)
-    row = _run(q, x, dy)
-    row = row[0], [g.clone() for g in row[1]]
-    q.weight.grad = q.bias.grad = None
-    monkeypatch.setattr(linear, "BACKWARD_MN_MAJOR_SCALES", True)
-    mn = _run(q, x, dy)
-    assert torch.equal(mn[0], row[0])
-    for got, want in zip(mn[1], row[1]):
-        assert_bits_equal(got, want, "grad")
+    def requant(q, s, scale_format):
+        return quantize_fp8_groups(dequantize_fp8_groups(q, s).t().contiguous(), 128, scale_format=scale_format)
+
+    references = {
+        "act_quant_fp8": lambda x, scale_format: quantize_fp8_groups(x.contiguous(), 128, scale_format=scale_format),
+        "weight_quant_fp8": lambda w, scale_format, out: quantize_fp8_blocks(w, 128, scale_format=scale_format),
+        "requant_transpose_fp8": requant,
+        "transpose_fp8_blocks": lambda q, s, out: (q.t().contiguous(), s.t().contiguous()),
+    }
+    launches = []
+
+    def spy(name, x):
+        if name == "out_layout_error":
+            return lambda out, like, shapes: "fresh tensors on CPU"
+
+        def kernel(*args, settings, **kwargs):
+            launches.append((name, settings))
+            return references[name](*args, **kwargs)
+
+        return kernel
+
+    monkeypatch.setattr(_dispatch, "_kernel", spy)
+    tuned = QuantKernelSettings(act=(8, 4, 4), act_transposed=(32, 2, 4), weight_warps=8, requant_block_k=64,
+                                requant_warps=8, transpose=(32, 256, 4))  # fmt: skip
+    layer = QuantLinear(256, 130, train=FP8Recipe(kernels=tuned), rollout="fp8")
+    x = torch.randn(9, 256, requires_grad=True)
+    with precision_phase("train"):
+        layer(x).sum().backward()
+    assert sorted(name for name, _ in launches) == ["act_quant_fp8"] * 3 + ["requant_transpose_fp8",
+                                                    "transpose_fp8_blocks", "weight_quant_fp8"]  # fmt: skip
+    assert all(settings is tuned for _, settings in launches)
+    launches.clear()
+    with precision_phase("rollout"), torch.no_grad():
+        layer(x)
+    assert ("act_quant_fp8", QuantKernelSettings()) in launches  # the rollout recipe's own (default) launch
+    assert all(settings == QuantKernelSettings() for _, settings in launches)
 
 
 def _saved_tensors(module, x):

@@ -63,24 +63,24 @@ def test_triton_kernels_equal_reference_quantizers_end_to_end(backend, scale_for
 
 
 @pytest.mark.skipif(not triton_available(), reason="needs Triton")
-@pytest.mark.parametrize("backend", gpu_gemm_backends())
-def test_mn_major_backward_scales_give_the_same_bits_on_gpu(backend, monkeypatch):
-    """``BACKWARD_MN_MAJOR_SCALES``: the Triton quant kernels write backward's scales M-major (what
-    ``torch._scaled_mm`` takes); forward and gradients are bit for bit the row-major ones, with ragged
-    and with aligned token counts (the latter reach ``_scaled_mm`` without a copy)."""
-    import jetrl_trainer.quant.linear as linear
+def test_kernel_settings_of_the_recipe_change_no_bit_on_gpu():
+    """``FP8Recipe.kernels`` (the quant kernels' tiles and warps, the settings a tuning sweep changes):
+    forward and gradients are bit for bit those of the default launch, with a ragged and an aligned
+    token count (the requant-transpose packs 4 tokens per word only for the latter)."""
+    from jetrl_trainer.kernels.settings import QuantKernelSettings
+    from jetrl_trainer.quant import FP8Recipe
 
+    tuned = QuantKernelSettings(act=(8, 4, 4), act_transposed=(32, 2, 4), weight_warps=8, requant_block_k=64,
+                                requant_warps=8, transpose=(32, 256, 4))  # fmt: skip
     layer = _layer("cuda", n_in=1024, n_out=768)
-    monkeypatch.setenv("JETRL_GEMM_BACKEND", backend)
-    reset_kernel_caches()
     for tokens in (231, 512):
         x = torch.randn(tokens, 1024, device="cuda", dtype=torch.bfloat16)
         dy = torch.randn(tokens, 768, device="cuda", dtype=torch.bfloat16)
-        monkeypatch.setattr(linear, "BACKWARD_MN_MAJOR_SCALES", False)
-        row = [t.clone() for t in _run(layer, x, dy)]
-        monkeypatch.setattr(linear, "BACKWARD_MN_MAJOR_SCALES", True)
-        for got, want, what in zip(_run(layer, x, dy), row, ("y", "dx", "dw", "db")):
-            assert_bits_equal(got, want, what)
+        layer.set_recipes(train=FP8Recipe())  # (also drops the cached weight: quantized again below)
+        want = [t.clone() for t in _run(layer, x, dy)]
+        layer.set_recipes(train=FP8Recipe(kernels=tuned))
+        for got, expected, what in zip(_run(layer, x, dy), want, ("y", "dx", "dw", "db")):
+            assert_bits_equal(got, expected, what)
 
 
 @pytest.mark.parametrize("backend", gpu_gemm_backends())
