@@ -180,7 +180,7 @@ def _requant_transpose_op(
         return qt, st
     block_k = min(group, block_k)  # (group x block_k) tile; the transpose goes through shared memory
     # Four tokens per 32-bit word through the transpose where qt's rows hold whole words: measured
-    # faster than moving single bytes (docs/benchmarks.md §1); other M take the byte transpose.
+    # faster than moving single bytes (docs/performance.md); other M take the byte transpose.
     pack4 = m % 4 == 0 and group % 4 == 0
     out, out_row = (qt.view(torch.int32), m // 4) if pack4 else (qt.view(torch.uint8), qt.stride(0))
     jit.requant_transpose_kernel[(cdiv(m, group), cdiv(k, block_k))](
