@@ -6,6 +6,7 @@ reports ratios; absolute numbers only make sense together with ``environment()``
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import itertools
 import json
@@ -178,3 +179,17 @@ def tflops(m: int, n: int, k: int, ms: float) -> float:
 def dump(result: dict) -> None:
     """Print a benchmark's result as JSON (run_all.py collects them into one file)."""
     print(json.dumps(result, indent=1, default=str), flush=True)
+
+
+def replaced_settings(base, text: str):
+    """A frozen settings object (``kernels/settings.py``) with fields replaced from ``"waves=1,num_warps=8"``
+    (integers; ``""``: ``base`` itself), what a benchmark compares against the shipped defaults.
+    Raises ValueError naming the fields on an unknown field or a value that is not an integer."""
+    fields = {f.name for f in dataclasses.fields(base)}
+    changes = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, _, value = item.partition("=")
+        if name not in fields or not value.lstrip("-").isdigit():
+            raise ValueError(f"{item!r} is not FIELD=<int> with FIELD one of {', '.join(sorted(fields))}")
+        changes[name] = int(value)
+    return dataclasses.replace(base, **changes)

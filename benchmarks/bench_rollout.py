@@ -14,6 +14,9 @@ FP8 engine the unified-flow mismatch (recorded log-probs vs the FP8 training-pha
 fixed-length cases also time the engine as training runs it with ``rollout_keep_engine_state``
 ("engine_kept": the cache and CUDA graphs kept from a rollout before, so no capture in the timing).
 
+The FP8 linears run the split-K decode GEMM with ``DecodeGemmSettings()`` (``kernels/settings.py``), or
+the fields ``--decode-gemm`` replaces (``"max_m=256"``: the decode kernel up to 256 rows).
+
 Usage: ``python benchmarks/bench_rollout.py [--layers 36] [--batches 64,256] [--new 256] [--skip-hf]``
 """
 
@@ -21,18 +24,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import sys
 import time
 
 import torch
-from _common import copy_bandwidth_gbs, dump, environment, kernels_by_kind
+from _common import copy_bandwidth_gbs, dump, environment, kernels_by_kind, replaced_settings
 from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
 from jetrl_trainer.kernels import available_gemm_backends, use_gemm_backend
-from jetrl_trainer.kernels import triton_decode_attention as attention_kernel
-from jetrl_trainer.kernels import triton_decode_gemm as dg
-from jetrl_trainer.kernels.launch_overrides import apply_launch_overrides, launch_overrides, parse_launch_overrides
+from jetrl_trainer.kernels.settings import DecodeGemmSettings
 from jetrl_trainer.quant import QuantLinear, precision_phase, quantize_model
+from jetrl_trainer.quant.recipe import FP8Recipe
 from jetrl_trainer.rollout import generate_with_logprobs, left_pad, position_ids_from_mask
 from jetrl_trainer.rollout.engine import DecodeEngine
 from jetrl_trainer.rollout.engine import sampling as engine_sampling
@@ -40,7 +43,7 @@ from jetrl_trainer.rollout.engine import sampling as engine_sampling
 PROMPT, DISTINCT = 128, 8
 
 
-def build_model(layers: int) -> Qwen3ForCausalLM:
+def build_model(layers: int, decode_gemm: DecodeGemmSettings = DecodeGemmSettings()) -> Qwen3ForCausalLM:
     config = Qwen3Config(
         hidden_size=4096, intermediate_size=12288, num_hidden_layers=layers, num_attention_heads=32,
         num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False,
@@ -52,7 +55,7 @@ def build_model(layers: int) -> Qwen3ForCausalLM:
             model = Qwen3ForCausalLM(config)
     finally:
         torch.set_default_dtype(torch.float32)
-    quantize_model(model, train="bf16", rollout="fp8")
+    quantize_model(model, train="bf16", rollout=FP8Recipe(decode_gemm=decode_gemm))
     return model.eval()
 
 
@@ -105,6 +108,33 @@ def set_train_recipe(model, recipe: str) -> None:
             m.set_recipes(train=recipe)
 
 
+def _fp8_rollout_linears(model) -> list[QuantLinear]:
+    return [m for m in model.modules() if isinstance(m, QuantLinear) and isinstance(m.recipes["rollout"], FP8Recipe)]
+
+
+def decode_gemm_settings(model) -> DecodeGemmSettings:
+    """The decode-GEMM settings the model's FP8 rollout recipe runs."""
+    return _fp8_rollout_linears(model)[0].recipes["rollout"].decode_gemm
+
+
+def set_decode_gemm(model, settings: DecodeGemmSettings) -> None:
+    """The model's FP8 rollout recipe with ``settings`` for the decode GEMM (nothing else changed)."""
+    for m in _fp8_rollout_linears(model):
+        if m.recipes["rollout"].decode_gemm != settings:  # a new recipe clears the layer's FP8 weight cache
+            m.set_recipes(rollout=dataclasses.replace(m.recipes["rollout"], decode_gemm=settings))
+
+
+@contextlib.contextmanager
+def rollout_decode_gemm(model, settings: DecodeGemmSettings):
+    """Inside the block, the model's FP8 rollout recipe launches the decode GEMM with ``settings``."""
+    before = decode_gemm_settings(model)
+    set_decode_gemm(model, settings)
+    try:
+        yield
+    finally:
+        set_decode_gemm(model, before)
+
+
 def mismatch(model, ps, completions, logprobs, rows: int = 8) -> float:
     """mean |recorded - FP8 training-phase teacher-forced| over the first ``rows`` rows."""
     ps, completions, logprobs = ps[:rows], completions[:rows], logprobs[:rows]
@@ -135,10 +165,7 @@ VARIANTS = {
     # Without the fused epilogues (residual adds and split-K reductions in the next RMSNorm, the o
     # projection's act quant in attention): the code of 2026-12-02's runs 10-14.
     "unfused_epilogues": dict(attention={}, fuse_qk_norms=True, min_groups_per_split=None, fused_epilogues=False),
-    # The decode step's Triton kernels with programmatic dependent launch and the GEMMs' weight prefetch.
-    "pdl": dict(attention={}, fuse_qk_norms=True, min_groups_per_split=None, pdl=True),
-    "pdl_no_prefetch": dict(attention={}, fuse_qk_norms=True, min_groups_per_split=None, pdl=True, prefetch_groups=0),
-    # The q/k/v group on the decode kernel only up to DECODE_MAX_M rows, as before QKV_MAX_ROWS.
+    # The q/k/v group on the decode kernel only up to the recipe's decode_gemm.max_m rows, as before QKV_MAX_ROWS.
     "qkv64": dict(attention={}, fuse_qk_norms=True, min_groups_per_split=None, qkv_max_rows=64),
     # Decode attention in 64-position tiles, newest first (flash attention's order), as before the
     # engine matched the training forward's SDPA backend (oldest first, 128 positions under cuDNN).
@@ -158,7 +185,6 @@ def new_engine(model, **kwargs) -> DecodeEngine:
     engine.grouped_projections = VARIANT.get("grouped", True)
     engine.fused_epilogues = VARIANT.get("fused_epilogues", True)
     engine.fused_qkv_reduce = VARIANT.get("fused_qkv", True)
-    engine.programmatic_dependent_launch = VARIANT.get("pdl", False)
     if not VARIANT["fuse_qk_norms"]:
         engine.view.qk_norms = []  # the q/k norm modules run on their own, as before the fused launch
     if "qkv_max_rows" in VARIANT:
@@ -190,13 +216,14 @@ def sampler_draw(one_level: bool):
 
 
 @contextlib.contextmanager
-def engine_variant(name: str):
+def engine_variant(model, name: str):
     global VARIANT
     saved, VARIANT = VARIANT, VARIANTS[name]
-    gemm_launch = {"MIN_GROUPS_PER_SPLIT": VARIANT["min_groups_per_split"] or dg.LAUNCH["MIN_GROUPS_PER_SPLIT"],
-                   "PREFETCH_GROUPS": VARIANT.get("prefetch_groups", dg.LAUNCH["PREFETCH_GROUPS"])}  # fmt: skip
+    settings = decode_gemm_settings(model)
+    if VARIANT["min_groups_per_split"]:
+        settings = dataclasses.replace(settings, min_groups_per_split=VARIANT["min_groups_per_split"])
     try:
-        with launch_overrides(gemm_launch, {}), sampler_draw(VARIANT.get("one_level_sampler", False)):
+        with rollout_decode_gemm(model, settings), sampler_draw(VARIANT.get("one_level_sampler", False)):
             yield
     finally:
         VARIANT = saved
@@ -286,22 +313,9 @@ def kernel_breakdown(step, steps: int = 3) -> dict:
     return kernels_by_kind(step, steps, _KERNEL_KINDS)
 
 
-PROFILED = ("bf16", "bf16_pdl", "fp8", "fp8_pdl", "fp8_qkv64", "fp8_unfused", "fp8_ungrouped", "fp8_general",
-            "fp8_unfused_qkv")  # fmt: skip
-# Also accepted by --profile: "fp8_pdl_p<N>", fp8_pdl with the decode GEMMs prefetching N weight groups,
-# any name with "_cumsum" appended: the sampler's one-level draw (`one_level_draw`), and with
-# "_flash64": the attention arithmetic of the "flash64" variant. Any name may end in launch overrides,
-# "@KEY=V" each: keys of triton_decode_gemm.LAUNCH, or "attention.KEY" for triton_decode_attention.LAUNCH
-# ("fp8@BALANCE=1", "bf16@attention.PREFETCH_NEXT=1"), so one process profiles several launches.
-
-
-def split_overrides(name: str) -> tuple[str, dict, dict]:
-    """``"fp8@BALANCE=1@attention.PREFETCH_NEXT=1"`` -> ``("fp8", {"BALANCE": 1}, {"PREFETCH_NEXT": 1})``."""
-    base, *parts = name.split("@")
-    try:
-        return (base, *parse_launch_overrides(parts))
-    except ValueError as exc:
-        raise SystemExit(f"--profile {name!r}: {exc}") from exc
+PROFILED = ("bf16", "fp8", "fp8_qkv64", "fp8_unfused", "fp8_ungrouped", "fp8_general", "fp8_unfused_qkv")
+# Also accepted by --profile: any name with "_cumsum" appended: the sampler's one-level draw
+# (`one_level_draw`), and with "_flash64": the attention arithmetic of the "flash64" variant.
 
 
 def profile_step(model, batch: int, new: int, precisions: tuple[str, ...] = PROFILED) -> dict:
@@ -316,21 +330,15 @@ def profile_step(model, batch: int, new: int, precisions: tuple[str, ...] = PROF
     config = GenerationConfig(max_new_tokens=new, do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
     general = "scaled_mm" if "scaled_mm" in available_gemm_backends("cuda") else "triton"
     for name in precisions:
-        base, gemm_launch, attention_launch = split_overrides(name)
-        precision = base.removesuffix("_cumsum").removesuffix("_flash64")
+        precision = name.removesuffix("_cumsum").removesuffix("_flash64")
         forced = use_gemm_backend(general) if precision == "fp8_general" else contextlib.nullcontext()
-        prefetch = dg.LAUNCH["PREFETCH_GROUPS"]
-        if precision.startswith("fp8_pdl_p"):
-            prefetch = int(precision.removeprefix("fp8_pdl_p"))
         with torch.no_grad(), precision_phase("train" if precision.startswith("bf16") else "rollout"), forced, \
-                sampler_draw(base.endswith("_cumsum")), \
-                launch_overrides({"PREFETCH_GROUPS": prefetch, **gemm_launch}, attention_launch):  # fmt: skip
+                sampler_draw(name.endswith("_cumsum")):  # fmt: skip
             engine = DecodeEngine(model)
-            if "_flash64" in base:
+            if "_flash64" in name:
                 engine.attention_options.update(VARIANTS["flash64"]["attention"])
             engine.grouped_projections = precision != "fp8_ungrouped"
             engine.fused_epilogues = precision not in ("fp8_unfused", "fp8_ungrouped")
-            engine.programmatic_dependent_launch = "_pdl" in precision
             engine.fused_qkv_reduce = precision != "fp8_unfused_qkv"
             if precision == "fp8_qkv64":
                 limit_qkv_rows(engine, 64)
@@ -389,41 +397,31 @@ def main() -> None:
     ap.add_argument("--variants", default="",
                     help=f"comma list of engine variants ({', '.join(VARIANTS)}): only their fixed-length engine "
                          "runs, BF16 and FP8 (with --kv-only, an FP8 KV cache too for 'shipped'), one row set per variant")  # fmt: skip
-    ap.add_argument("--decode-max-m", type=int, default=None,
-                    help="rows up to which FP8 linears take the split-K decode kernel (triton_decode_gemm.DECODE_MAX_M)")
-    ap.add_argument("--launch", default="",
-                    help="decode-kernel launch overrides, e.g. 'MAX_BLOCK_M=128;num_warps=8' (triton_decode_gemm.LAUNCH; "
-                         "'attention.KEY=V' for triton_decode_attention.LAUNCH)")  # fmt: skip
-    ap.add_argument("--attention-launch", default="",
-                    help="decode-attention launch overrides, e.g. 'num_warps=8;LOOP_STAGES=1' "
-                         "(triton_decode_attention.LAUNCH)")  # fmt: skip
+    ap.add_argument("--decode-gemm", default="",
+                    help="the FP8 rollout recipe's decode-GEMM settings: DecodeGemmSettings fields to replace, e.g. "
+                         "'max_m=256' (rows up to which FP8 linears take the split-K decode kernel) or "
+                         "'waves=1,num_warps=8'")  # fmt: skip
     args = ap.parse_args()
-    attention_items = [f"attention.{item.strip()}" for item in args.attention_launch.split(";") if item.strip()]
     try:
-        apply_launch_overrides(*parse_launch_overrides(args.launch.split(";") + attention_items))
+        settings = replaced_settings(DecodeGemmSettings(), args.decode_gemm)
     except ValueError as exc:
-        raise SystemExit(f"--launch / --attention-launch: {exc}") from exc
-    if args.decode_max_m:
-        dg.DECODE_MAX_M = args.decode_max_m
+        raise SystemExit(f"--decode-gemm: {exc}") from exc
     profiled = tuple(filter(None, args.profile.split(",")))  # "": no step profile
-    for name in profiled:  # a typo fails now, not after the model is built
-        split_overrides(name)
     gbs = copy_bandwidth_gbs()
-    model = build_model(args.layers)
+    model = build_model(args.layers, settings)
+    launch = dict(decode_max_m=settings.max_m, decode_gemm=dataclasses.asdict(settings))
     if args.profile_only:
         profile = {f"b{b}": profile_step(model, b, args.new, profiled) for b in map(int, args.batches.split(","))}
-        dump(dict(benchmark="rollout_profile", env=environment(), layers=args.layers, decode_max_m=dg.DECODE_MAX_M,
-                  launch=dict(dg.LAUNCH), attention_launch=dict(attention_kernel.LAUNCH), step_profile=profile))  # fmt: skip
+        dump(dict(benchmark="rollout_profile", env=environment(), layers=args.layers, **launch, step_profile=profile))
         return
     if args.variants:
         rows = []
         for name in args.variants.split(","):
-            with engine_variant(name):
+            with engine_variant(model, name):
                 for b in map(int, args.batches.split(",")):
                     for row in run_case(model, b, args.new, gbs, True, False, args.kv_only and name == "shipped"):
                         rows.append(dict(variant=name, **row))
-        dump(dict(benchmark="rollout_variants", env=environment(), copy_gbs=round(gbs, 1), layers=args.layers,
-                  decode_max_m=dg.DECODE_MAX_M, launch=dict(dg.LAUNCH),
+        dump(dict(benchmark="rollout_variants", env=environment(), copy_gbs=round(gbs, 1), layers=args.layers, **launch,
                   variants={n: VARIANTS[n] for n in args.variants.split(",")}, rows=rows))  # fmt: skip
         return
     if args.kv_only:

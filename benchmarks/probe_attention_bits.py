@@ -7,8 +7,8 @@ positions ``t`` compares row ``t`` of it, bit for bit, with:
 
 * SDPA with one query over the first ``t + 1`` keys (what HF ``generate`` runs at decode);
 * the Triton decode kernel with each tile size (64, 128) and order (flash attention's, newest tile
-  first; or oldest first), under each launch setting given (``--launch``; warps share a tile's row
-  sums, so their number can change the bits).
+  first; or oldest first), under each launch setting given (``--settings``: ``DecodeAttentionSettings``
+  variants; warps share a tile's row sums, so their number can change the bits).
 
 It prints, per variant, the fraction of output elements that differ and the largest difference, and
 for the kernel its time per call inside a CUDA graph at batch 64 and 256 (8B layout, 192 live
@@ -17,20 +17,21 @@ With ``--pad N`` it also takes a left-padded batch through the masked call trans
 (see `padded`): which backend torch picks there, and how close each decode variant lands, with and
 without the pad counts that line its tiles up with the padded row's.
 Usage: ``python benchmarks/probe_attention_bits.py [--length 384] [--rows 8] [--target FLASH_ATTENTION]
-[--launch "num_warps=8;num_warps=8,num_stages=2"] [--pad 48]``
+[--settings "num_warps=8;num_warps=8,loop_stages=1"] [--pad 48]``
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 
 import torch
 import torch.nn.functional as F
-from _common import bench_graph_ms, cold_copies, cycling, dump, environment
+from _common import bench_graph_ms, cold_copies, cycling, dump, environment, replaced_settings
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from jetrl_trainer.kernels import triton_decode_attention as attention_kernel
+from jetrl_trainer.kernels.settings import DecodeAttentionSettings
 from jetrl_trainer.kernels.triton_decode_attention import decode_attention
 
 H, H_KV, D = 32, 8, 128
@@ -95,12 +96,9 @@ def padded(args, q, k, v, variants: dict) -> dict:
                 one = F.scaled_dot_product_attention(q[:, :, t : t + 1], k_rep[:, :, : t + 1], v_rep[:, :, : t + 1],
                                                      attn_mask=live[:, None, None, : t + 1], scale=D**-0.5)[:, :, 0]  # fmt: skip
             else:
-                attention_kernel.LAUNCH.clear()
-                attention_kernel.LAUNCH.update(options["launch"])
                 lengths = torch.tensor([t - pad + 1 for pad in pads], device="cuda")
-                kernel_options = {k: o for k, o in options.items() if k != "launch"}
                 one = decode_attention(q[:, :, t].contiguous(), k_cache, v_cache, slots, lengths, D**-0.5, splits=1,
-                                       pads=pad_counts if aligned else None, **kernel_options)  # fmt: skip
+                                       pads=pad_counts if aligned else None, **options)  # fmt: skip
             got.append(one)
             want.append(full[:, :, t])
         key = name + (" pads" if aligned else "")
@@ -113,15 +111,20 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--length", type=int, default=384)
     ap.add_argument("--rows", type=int, default=8)
-    ap.add_argument("--launch", default="",
-                    help="';'-separated launch settings to compare, each like 'num_warps=8,num_stages=2' "
-                         "(the shipped one runs first)")  # fmt: skip
+    ap.add_argument("--settings", default="",
+                    help="';'-separated DecodeAttentionSettings to compare, each like 'num_warps=8,loop_stages=1' "
+                         "(the shipped settings run first)")  # fmt: skip
     ap.add_argument("--target", default="default", help="the causal SDPA to compare with: default or an SDPBackend name")
     ap.add_argument("--positions", default="0,63,64,127,128,200,255,300,383")
     ap.add_argument("--pad", type=int, default=0,
                     help="also a left-padded batch (rows padded by 0 to this many positions): the masked call "
                          "transformers makes for it, against the engine's unpadded cache")  # fmt: skip
     args = ap.parse_args()
+    try:
+        launches = [DecodeAttentionSettings()] + [replaced_settings(DecodeAttentionSettings(), text)
+                                                  for text in filter(None, args.settings.split(";"))]  # fmt: skip
+    except ValueError as exc:
+        raise SystemExit(f"--settings: {exc}") from exc
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(args.rows, H, args.length, D, device="cuda", generator=g).bfloat16()
     k = torch.randn(args.rows, H_KV, args.length, D, device="cuda", generator=g).bfloat16()
@@ -153,13 +156,10 @@ def main() -> None:
     positions = [int(t) for t in args.positions.split(",") if int(t) < args.length]
     slots = torch.arange(args.rows, device="cuda")
     variants = {"sdpa one query (generate)": None}
-    launches = [dict(attention_kernel.LAUNCH)]
-    for setting in filter(None, args.launch.split(";")):
-        launches.append(dict(launches[0], **{k: int(v) for k, v in (p.split("=") for p in setting.split(","))}))
     for launch, block_n, flash_order in itertools.product(launches, (64, 128), (True, False)):
-        settings = ",".join(f"{k}={v}" for k, v in launch.items())
-        name = f"kernel block_n={block_n} flash_order={int(flash_order)} {settings}"
-        variants[name] = dict(block_n=block_n, flash_order=flash_order, launch=launch)
+        fields = ",".join(f"{k}={v}" for k, v in dataclasses.asdict(launch).items())
+        name = f"kernel block_n={block_n} flash_order={int(flash_order)} {fields}"
+        variants[name] = dict(block_n=block_n, flash_order=flash_order, settings=launch)
     for name, options in variants.items():
         got, want = [], []
         for t in positions:
@@ -168,15 +168,12 @@ def main() -> None:
                 out = F.scaled_dot_product_attention(q[:, :, t : t + 1], k[:, :, : t + 1], v[:, :, : t + 1], scale=scale,
                                                      enable_gqa=True)[:, :, 0]  # fmt: skip
             else:
-                attention_kernel.LAUNCH.clear()
-                attention_kernel.LAUNCH.update(options["launch"])
-                kernel_options = {k: o for k, o in options.items() if k != "launch"}
-                out = decode_attention(q[:, :, t].contiguous(), k, v, slots, lengths, scale, splits=1, **kernel_options)
+                out = decode_attention(q[:, :, t].contiguous(), k, v, slots, lengths, scale, splits=1, **options)
             got.append(out)
             want.append(full[:, :, t])
         result["variants"][name] = compare(torch.stack(got), torch.stack(want))
         if options is not None:
-            result["variants"][name]["graph_us"] = graph_us({k: o for k, o in options.items() if k != "launch"})
+            result["variants"][name]["graph_us"] = graph_us(options)
         print(name, result["variants"][name], flush=True)
     if args.pad:
         result["padded"] = padded(args, q, k, v, variants)

@@ -21,7 +21,7 @@ import torch
 
 from jetrl_trainer.kernels import _triton_support
 from jetrl_trainer.kernels import emulated as _emulated  # noqa: F401  (registers "emulated")
-from jetrl_trainer.kernels._triton_support import programmatic_dependent_launch, triton_available, triton_enabled
+from jetrl_trainer.kernels._triton_support import triton_available, triton_enabled
 from jetrl_trainer.kernels.gemm import (
     auto_gemm_backends,
     available_gemm_backends,
@@ -33,8 +33,12 @@ from jetrl_trainer.kernels.gemm import (
     reset_gemm_caches,
     use_gemm_backend,
 )
+from jetrl_trainer.kernels.settings import DecodeAttentionSettings, DecodeGemmSettings, QuantKernelSettings
 
 __all__ = [
+    "DecodeAttentionSettings",
+    "DecodeGemmSettings",
+    "QuantKernelSettings",
     "resolve_dispatch",
     "auto_gemm_backends",
     "available_gemm_backends",
@@ -42,7 +46,6 @@ __all__ = [
     "forced_gemm_backend",
     "gemm_backend_forced",
     "optional_module",
-    "programmatic_dependent_launch",
     "register_gemm_backend",
     "registered_gemm_backends",
     "reset_kernel_caches",

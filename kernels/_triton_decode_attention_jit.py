@@ -15,16 +15,9 @@ times scale·log2(e), normalized by a reciprocal); without it, tiles run oldest 
 scaled scores and a division, the order cuDNN's attention sums in. With one split of the training
 kernel's tile size, either reproduces that kernel's output on all but a few in 10,000 elements
 (``benchmarks/probe_attention_bits.py``).
-``PREFETCH_NEXT``: each tile step first asks L2 for the next tile's K and V lines
-(``prefetch.global.L2``). With ``LOOP_STAGES = 2`` Triton keeps one shared-memory buffer per K and V
-tile, so a program issues the next tile's copies only after this tile's P·V and then waits on them:
-the DRAM latency is exposed once per tile. The hint starts that fetch a whole tile step earlier, into
-L2, without registers or shared memory. Positions are clamped into the row's live range; the
-arithmetic is untouched (the same bits).
-``REAL_ROWS``: phase 1 drops the rows the MMA's 16-row minimum padded the query heads with (12 of
-16 in an 8B layout) before it rounds, stores and quantizes its output (the sm_90 SASS of the
-engine's launch with ``QUANT``: 734 instructions per warp after the tile loop without it, 451 with it; the quant's amax
-and IEEE divisions ran on every padded row); the same values.
+Phase 1 drops the rows the MMA's 16-row minimum padded the query heads with (12 of 16 in an 8B
+layout) before it rounds, stores and quantizes its output: the quant's amax and IEEE divisions cost
+as much on a padded row as on a real one (the same values either way).
 ``QUANT``: the output's 1×128 FP8 quantization (one group per head, ``D`` = 128) is written too, from
 the rounded output, by the functions of ``_triton_quant_jit`` (the bits of ``quantize_fp8_groups``
 of the ``[B, H·D]`` output): the o projection's activation quant costs no launch of its own.
@@ -33,7 +26,7 @@ of the ``[B, H·D]`` output): the o projection's activation quant costs no launc
 import triton
 import triton.language as tl
 
-from jetrl_trainer.kernels._triton_quant_jit import _amax, _fp8_bits, _scale_from_amax, pdl_enter, prefetch_l2
+from jetrl_trainer.kernels._triton_quant_jit import _amax, _fp8_bits, _scale_from_amax
 
 
 @triton.jit
@@ -55,13 +48,11 @@ def _leading_rows(x, ROWS: tl.constexpr):
 
 @triton.jit
 def _store_output(o, out_ptr, oq_ptr, os_ptr, b, head0, d, stride_ob, stride_oh, ROWS: tl.constexpr, H: tl.constexpr,
-                  D: tl.constexpr, QUANT: tl.constexpr, UE8M0: tl.constexpr, REAL_ROWS: tl.constexpr):  # fmt: skip
+                  D: tl.constexpr, QUANT: tl.constexpr, UE8M0: tl.constexpr):  # fmt: skip
     """Store the FP32 output rows ``o (rows, D)`` of heads ``head0 ..`` (the first ``ROWS`` real)
     rounded to the output dtype, and with ``QUANT`` their FP8 quantization (``[B, H·D]`` bits,
-    ``[B, H]`` scales: each head is one 128-group). ``REAL_ROWS``: the padding rows are dropped first
-    (the quant's IEEE divisions cost as much on them as on real rows); the same values either way."""
-    if REAL_ROWS:
-        o = _leading_rows(o, ROWS)
+    ``[B, H]`` scales: each head is one 128-group). The padding rows are dropped first."""
+    o = _leading_rows(o, ROWS)
     rounded = o.to(out_ptr.dtype.element_ty)
     g = tl.arange(0, rounded.shape[0])
     heads = head0 + g
@@ -107,17 +98,6 @@ def _attend_tile(q, m_i, l_i, acc, t0, end, d, k_base, v_base, ks_ptr, vs_ptr, s
 
 
 @triton.jit
-def _prefetch_tile(base, t0, end, stride_t, BLOCK_N: tl.constexpr, D: tl.constexpr):
-    """Hint: the 128-byte lines of the ``BLOCK_N`` positions from ``t0`` into L2 (positions clamped into
-    ``[0, end)``, so every address is a cached one of this row; nothing for rows under one line)."""
-    LINE: tl.constexpr = 1024 // base.dtype.element_ty.primitive_bitwidth  # elements per 128-byte line
-    LINES: tl.constexpr = D // LINE
-    if LINES > 0:
-        t = tl.minimum(tl.maximum(t0 + tl.arange(0, BLOCK_N), 0), tl.maximum(end - 1, 0))
-        prefetch_l2(base + t[:, None] * stride_t + (tl.arange(0, LINES) * LINE)[None, :])
-
-
-@triton.jit
 def decode_attention_split_kernel(
     q_ptr, k_ptr, v_ptr, slots_ptr, lengths_ptr, pads_ptr, m_ptr, l_ptr, acc_ptr, ks_ptr, vs_ptr, out_ptr,
     oq_ptr, os_ptr, scale, scale_log2,
@@ -130,11 +110,8 @@ def decode_attention_split_kernel(
     tiles,  # BLOCK_N-position tiles per split: a runtime value, so a new cache length compiles nothing
     GROUPS: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, KV_FP8: tl.constexpr, FLASH_ORDER: tl.constexpr, DIRECT: tl.constexpr,
-    H: tl.constexpr, QUANT: tl.constexpr, UE8M0: tl.constexpr, PDL: tl.constexpr = False,
-    HAS_PADS: tl.constexpr = False, LOOP_STAGES: tl.constexpr = 1, PREFETCH_NEXT: tl.constexpr = 0,
-    REAL_ROWS: tl.constexpr = 0,
+    H: tl.constexpr, QUANT: tl.constexpr, UE8M0: tl.constexpr, HAS_PADS: tl.constexpr, LOOP_STAGES: tl.constexpr,
 ):  # fmt: skip
-    pdl_enter(PDL)
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     length = tl.load(lengths_ptr + b).to(tl.int32)
     slot = tl.load(slots_ptr + b).to(tl.int64)
@@ -157,13 +134,8 @@ def decode_attention_split_kernel(
     for i in tl.range(0, n_tiles, num_stages=LOOP_STAGES):
         if FLASH_ORDER:  # newest tile first, as flash attention walks a causal row
             t0 = start + (n_tiles - 1 - i) * BLOCK_N
-            t_next = t0 - BLOCK_N
         else:
             t0 = start + i * BLOCK_N
-            t_next = t0 + BLOCK_N
-        if PREFETCH_NEXT:
-            _prefetch_tile(k_base, t_next, end, stride_kt, BLOCK_N, D)
-            _prefetch_tile(v_base, t_next, end, stride_vt, BLOCK_N, D)
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, t0, end, d, k_base, v_base, ks_ptr, vs_ptr, scale_base,
                                      stride_kt, stride_vt, scale, scale_log2, BLOCK_N, PRECISION, KV_FP8,
                                      FLASH_ORDER)  # fmt: skip
@@ -172,8 +144,7 @@ def decode_attention_split_kernel(
             o = acc * (1.0 / l_i)[:, None]
         else:
             o = acc / l_i[:, None]
-        _store_output(o, out_ptr, oq_ptr, os_ptr, b, kvh * GROUPS, d, stride_ob, stride_oh, GROUPS, H, D, QUANT, UE8M0,
-                      REAL_ROWS)  # fmt: skip
+        _store_output(o, out_ptr, oq_ptr, os_ptr, b, kvh * GROUPS, d, stride_ob, stride_oh, GROUPS, H, D, QUANT, UE8M0)
         return
     row = b * stride_mb + heads * stride_mh + split
     tl.store(m_ptr + row, m_i, mask=g_ok)
@@ -187,9 +158,8 @@ def decode_attention_reduce_kernel(
     m_ptr, l_ptr, acc_ptr, out_ptr, oq_ptr, os_ptr,
     stride_mb, stride_mh, stride_ab, stride_ah, stride_as, stride_ob, stride_oh,
     m_scale, SPLITS: tl.constexpr, S_PAD: tl.constexpr, D: tl.constexpr, FLASH_ORDER: tl.constexpr,
-    H: tl.constexpr, QUANT: tl.constexpr, UE8M0: tl.constexpr, PDL: tl.constexpr = False,
+    H: tl.constexpr, QUANT: tl.constexpr, UE8M0: tl.constexpr,
 ):  # fmt: skip
-    pdl_enter(PDL)
     b, h = tl.program_id(0), tl.program_id(1)
     s = tl.arange(0, S_PAD)
     s_ok = s < SPLITS
@@ -205,5 +175,5 @@ def decode_attention_reduce_kernel(
     else:
         w = tl.where(m > float("-inf"), tl.exp(m - m_max), 0.0)  # empty splits weigh nothing
         out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
-    # one head as a (1, D) row, so the output store is phase 1's
-    _store_output(out[None, :], out_ptr, oq_ptr, os_ptr, b, h, d, stride_ob, stride_oh, 1, H, D, QUANT, UE8M0, False)
+    # one head as a (1, D) row (no padding rows to drop), so the output store is phase 1's
+    _store_output(out[None, :], out_ptr, oq_ptr, os_ptr, b, h, d, stride_ob, stride_oh, 1, H, D, QUANT, UE8M0)

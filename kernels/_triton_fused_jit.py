@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
-from jetrl_trainer.kernels._triton_quant_jit import _amax, _fp8_bits, _scale_from_amax, pdl_enter
+from jetrl_trainer.kernels._triton_quant_jit import _amax, _fp8_bits, _scale_from_amax
 
 
 @triton.jit
@@ -67,11 +67,10 @@ def _rmsnorm_quant_rows(x_raw, rows, row_ok, K, k_float, eps, w_ptr, y_ptr, q_pt
 def rmsnorm_quant_kernel(
     x_ptr, w_ptr, y_ptr, q_ptr, s_ptr, M, K, k_float, eps, stride_xm, stride_ym, stride_qm, stride_sm,
     BLOCK_K: tl.constexpr, ROWS: tl.constexpr, LEVELS: tl.constexpr, GROUP: tl.constexpr, UE8M0: tl.constexpr,
-    QUANT: tl.constexpr, PDL: tl.constexpr = False,
+    QUANT: tl.constexpr,
 ):  # fmt: skip
     """``ROWS`` rows per program (several for narrow rows such as Qwen3's per-head q/k norms, so that a
     program has work): y = w * (x / sqrt(mean(x²) + eps)).to(dtype); with ``QUANT``, q, s = quant(y)."""
-    pdl_enter(PDL)
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     cols = tl.arange(0, BLOCK_K)
     row_ok = rows < M
@@ -86,13 +85,12 @@ def add_rmsnorm_quant_kernel(
     r_ptr, d_ptr, bias_ptr, w_ptr, h_ptr, y_ptr, q_ptr, s_ptr, M, K, k_float, eps,
     stride_rm, stride_dm, stride_hm, stride_ym, stride_qm, stride_sm,
     PARTS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_K: tl.constexpr, LEVELS: tl.constexpr, GROUP: tl.constexpr,
-    UE8M0: tl.constexpr, PDL: tl.constexpr = False,
+    UE8M0: tl.constexpr,
 ):  # fmt: skip
     """One row per program: the residual add ``h = (r + d).to(dtype)``, stored, then ``rmsnorm_quant_kernel``
     of ``h``. ``d`` is a tensor in ``r``'s dtype (``PARTS`` = 0), or the split-K partial sums
     ``[PARTS, M, K]`` (FP32, contiguous) of a decode GEMM, added in split order (+ bias) and rounded
     once, as ``splitk_reduce_kernel`` does: the same bits as that reduction, then torch's add."""
-    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_K)
     mask = cols < K
@@ -117,10 +115,8 @@ def add_rmsnorm_quant_kernel(
 def swiglu_quant_kernel(
     g_ptr, u_ptr, h_ptr, q_ptr, s_ptr, M, K, stride_gm, stride_um, stride_hm, stride_qm, stride_sm,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, GROUPS_PER_PROG: tl.constexpr, UE8M0: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
     """h = (silu(g).to(dtype) * u).to(dtype); q, s = quant(h); one [BLOCK_M, GROUPS_PER_PROG*GROUP] tile."""
-    pdl_enter(PDL)
     pid_m = tl.program_id(0)
     pid_g = tl.program_id(1)
     rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)

@@ -18,30 +18,11 @@ Quantized tensors are stored through ``uint8`` views so no FP8 store path is inv
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 _INV_FP8_MAX = tl.constexpr(1.0 / 448.0)
 _AMAX_FLOOR = tl.constexpr(1e-10)
 _UE8M0_TOP = tl.constexpr(2.0**120)  # quant/fp8.py: q * 2^120 overflows from q = 256 up
 _UE8M0_TOP_MAX = tl.constexpr(240.0)
-
-
-@triton.jit
-def pdl_enter(PDL: tl.constexpr):
-    """Under programmatic dependent launch (``_triton_support.pdl_launch``): let the next kernel's
-    programs launch now, then wait until the previous kernel has finished and its writes are visible.
-    Called by every program before its first access to memory another kernel touches."""
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
-
-
-@triton.jit
-def prefetch_l2(ptrs):
-    """Hint: fetch the 128-byte lines holding ``ptrs`` into L2 (no result, no fault on any address
-    of the tensor's allocation; used before ``pdl_enter`` on data no kernel of the step writes)."""
-    address = ptrs.to(tl.int64)  # a 64-bit register operand ("l"), whatever the pointee
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [address], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit

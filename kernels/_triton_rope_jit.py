@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from jetrl_trainer.kernels._triton_fused_jit import rms_divisor_rows
-from jetrl_trainer.kernels._triton_quant_jit import _amax, _fp8_bits, _scale_from_amax, pdl_enter
+from jetrl_trainer.kernels._triton_quant_jit import _amax, _fp8_bits, _scale_from_amax
 
 
 @triton.jit
@@ -70,12 +70,11 @@ def rope_append_kernel(
     stride_kcs, stride_kch, stride_kct, stride_vcs, stride_vch, stride_vct, stride_ss, stride_sh,
     q_bias_ptr, k_bias_ptr, v_bias_ptr, part_stride,
     H: tl.constexpr, D: tl.constexpr, KV_FP8: tl.constexpr, NORM: tl.constexpr, LEVELS: tl.constexpr,
-    PDL: tl.constexpr = False, SPLITS: tl.constexpr = 0, HAS_BIAS: tl.constexpr = False,
+    SPLITS: tl.constexpr = 0, HAS_BIAS: tl.constexpr = False,
 ):
     """``SPLITS`` > 0: ``q_ptr`` / ``k_ptr`` / ``v_ptr`` point into a grouped decode GEMM's FP32 partial
     sums (split ``s`` at ``s * part_stride``), reduced here with the biases (``HAS_BIAS``) instead of
     by the GEMM's own reduction launch."""
-    pdl_enter(PDL)
     dtype = q_out_ptr.dtype.element_ty
     b = tl.program_id(0)
     h = tl.program_id(1)

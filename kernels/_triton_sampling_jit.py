@@ -8,12 +8,9 @@ entries load as 0 (no padded copy of the table).
 import triton
 import triton.language as tl
 
-from jetrl_trainer.kernels._triton_quant_jit import pdl_enter
-
 
 @triton.jit
-def block_sums_fp64_kernel(p_ptr, out_ptr, V, stride_p, n_blocks, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    pdl_enter(PDL)
+def block_sums_fp64_kernel(p_ptr, out_ptr, V, stride_p, n_blocks, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     block = tl.program_id(1)
     offs = block * BLOCK + tl.arange(0, BLOCK)

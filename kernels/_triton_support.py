@@ -6,11 +6,9 @@ Every public kernel module must import on a CPU machine without Triton (CI has n
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
 import os
-from collections.abc import Iterator
 from types import ModuleType
 
 import torch
@@ -24,8 +22,6 @@ __all__ = [
     "check_group",
     "check_scale_format",
     "load_jit",
-    "pdl_launch",
-    "programmatic_dependent_launch",
     "triton_available",
     "triton_enabled",
 ]
@@ -111,39 +107,3 @@ def call_op(op, *args):
     if impl is None or torch.compiler.is_compiling():
         return op(*args)
     return impl(*args)
-
-
-# Programmatic dependent launch (Hopper+): a kernel launched with it may start while the kernel before
-# it in the stream finishes, run what does not depend on it (index math, L2 prefetch of weights), then
-# wait in ``griddepcontrol.wait`` for that kernel's completion. Inside a decode step's CUDA graph this
-# hides part of each launch's ramp. Off unless a caller turns it on (the decode engine, opt-in).
-_PDL = {"enabled": False}
-
-
-@contextlib.contextmanager
-def programmatic_dependent_launch(enabled: bool = True) -> Iterator[None]:
-    """Within the block, the kernels that support it launch with programmatic dependent launch.
-
-    Every such kernel runs ``griddepcontrol.wait`` in all its programs before it touches memory an
-    earlier kernel writes or reads, so results keep every bit; a kernel without the attribute (any
-    torch op) waits for its predecessors as usual."""
-    saved = _PDL["enabled"]
-    _PDL["enabled"] = bool(enabled)
-    try:
-        yield
-    finally:
-        _PDL["enabled"] = saved
-
-
-@functools.cache
-def _has_griddepcontrol(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
-
-
-def pdl_launch(device: torch.device) -> dict:
-    """Launch keywords of a kernel with a ``PDL`` constexpr: ``PDL=True`` and ``launch_pdl=True``
-    while :func:`programmatic_dependent_launch` is on and the device has it (sm_90+), else ``PDL=False``."""
-    if not _PDL["enabled"] or device.type != "cuda":
-        return {"PDL": False}
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return {"PDL": True, "launch_pdl": True} if _has_griddepcontrol(index) else {"PDL": False}

@@ -35,12 +35,16 @@ class DecodeGemmSettings:
     shapes; docs/performance.md).
 
     Parameters:
-        max_m: rows up to which a ``QuantLinear`` takes this kernel instead of the general path.
+        max_m: rows up to which a ``QuantLinear`` takes this kernel instead of the general path
+            (``benchmarks/bench_decode_gemm.py`` measures the crossover on the GPU at hand).
         block_n: weight rows per program.
-        max_block_m: the largest M tile.
-        swap_below_m: W is the MMA's M operand while the M tile is below this.
-        waves: programs per SM the K split aims for.
-        min_groups_per_split: the fewest 128-wide K groups a split streams.
+        max_block_m: the largest M tile (beyond ``max_m`` a benchmark knob only).
+        swap_below_m: W is the MMA's M operand while the M tile is below this (measured faster below
+            64 rows, where the activation is too short for the MMA's M).
+        waves: programs per SM the K split aims for, among splits that load the busiest SM equally
+            (one program per SM measured slower on the long-K down projection).
+        min_groups_per_split: the fewest 128-wide K groups a split streams (shorter splits measured
+            slower on the narrow k/v projections).
         num_warps, num_stages: Triton launch parameters.
     """
 
@@ -66,9 +70,11 @@ class DecodeAttentionSettings:
     and tile order are not settings: the engine derives them from the training forward's attention.
 
     Parameters:
-        num_warps: warps per program.
-        loop_stages: software-pipelining depth of the tile loop.
-        min_tiles_per_split: the fewest KV tiles a split reads.
+        num_warps: warps per program (8 measured slower).
+        loop_stages: software-pipelining depth of the tile loop: 2 overlaps the next tile's loads with
+            this tile's math (faster than 1 and 3, the same sums).
+        min_tiles_per_split: the fewest KV tiles a split reads (a split costs a partial write and a
+            reduce; it pays only while each split still gets several tiles).
     """
 
     num_warps: int = 4

@@ -28,7 +28,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._triton_support import call_op, cdiv, check_scale_format, load_jit, pdl_launch, sm_count
+from ._triton_support import call_op, cdiv, check_scale_format, load_jit, sm_count
+from .settings import DecodeAttentionSettings
 from .triton_rope_append import check_kv_scales
 
 __all__ = ["decode_attention", "decode_attention_reference", "plan_splits"]
@@ -40,39 +41,21 @@ BLOCK_N = 64
 FLASH_ORDER = True
 LOG2E = 1.4426950408889634
 
-# Launch parameters of the split kernel (a benchmark knob: bench_rollout.py --attention-launch,
-# probe_attention_bits.py --launch). The warps share a tile's row sums, so their number can change
-# the sums' order; probe_attention_bits.py says how far from the training forward a setting lands.
-# LOOP_STAGES: software-pipelining depth of the tile loop. H200, 8B head layout, 192 live positions
-# of 384, in a CUDA graph (2026-12-04): 128-position tiles 16.7 -> 14.7 us at batch 64 and
-# 66.6 -> 46.0 us at 256 with 2 stages against the earlier unpipelined loop, same bits; 3 stages and
-# 8 warps were slower.
-# PREFETCH_NEXT: 1 asks L2 for the next tile's K and V lines at the top of each tile step (the jit
-# module's doc); the same bits. Off: slower (H100, batch-64 decode step, 2026-12-05, run 48: attention
-# 1.350 -> 1.466 ms with the FP8 output quant, 1.183 -> 1.253 without). REAL_ROWS: 1 drops the
-# query-head padding rows before the output's rounding, store and FP8 quant (the jit module's doc);
-# the same bits. On: attention with the quant 1.350 -> 1.315 ms at batch 64, 3.852 -> 3.801 at 256
-# (run 48); without the quant (BF16 engine) 1.183 against 1.195, within noise.
-LAUNCH = {"num_warps": 4, "LOOP_STAGES": 2, "PREFETCH_NEXT": 0, "REAL_ROWS": 1}
-
-# A split costs a partial write and a reduce; it pays only while rows x KV heads leave SMs idle
-# and each split still gets several tiles.
-MIN_TILES_PER_SPLIT = 4
-# One split writes its output from phase 1 (one launch fewer); False (tests) runs phase 2 anyway.
-DIRECT_SINGLE_SPLIT = True
-
 
 def _fp32(x: float) -> float:
     return struct.unpack("f", struct.pack("f", x))[0]
 
 
-def plan_splits(rows: int, kv_heads: int, max_len: int, block_n: int, sms: int) -> int:
-    """KV splits per (row, KV head): enough programs for two per SM, each with >= MIN_TILES_PER_SPLIT tiles.
+def plan_splits(rows: int, kv_heads: int, max_len: int, block_n: int, sms: int,
+                settings: DecodeAttentionSettings = DecodeAttentionSettings()) -> int:  # fmt: skip
+    """KV splits per (row, KV head): enough programs for two per SM, each with at least
+    ``settings.min_tiles_per_split`` tiles (a split costs a partial write and a reduce; it pays only
+    while rows x KV heads leave SMs idle and each split still gets several tiles).
 
     Depends on shapes alone (``max_len`` is the cache's length, not the live one), so a CUDA graph
     captured for a batch bucket keeps its plan."""
     fill = cdiv(2 * sms, max(1, rows * kv_heads))
-    return max(1, min(fill, cdiv(max_len, MIN_TILES_PER_SPLIT * block_n)))
+    return max(1, min(fill, cdiv(max_len, settings.min_tiles_per_split * block_n)))
 
 
 def decode_attention_reference(
@@ -99,7 +82,7 @@ def decode_attention_reference(
 def _decode_attention_op(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, lengths: Tensor, scale: float, splits: int,
     k_scale: Optional[Tensor], v_scale: Optional[Tensor], block_n: int, flash_order: bool, quant_format: str,
-    pads: Optional[Tensor],
+    pads: Optional[Tensor], num_warps: int, loop_stages: int, direct_single_split: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     jit = load_jit("_triton_decode_attention_jit")
     B, H, D = q.shape
@@ -116,8 +99,7 @@ def _decode_attention_op(
     os_ = torch.empty((B, H) if quant else (0,), dtype=torch.float32, device=q.device)
     out_q = dict(H=H, QUANT=quant, UE8M0=quant_format == "ue8m0")
     fp8 = k_scale is not None
-    direct = splits == 1 and DIRECT_SINGLE_SPLIT
-    pdl = pdl_launch(q.device)
+    direct = splits == 1 and direct_single_split
     # Flash attention's host computes scale·log2(e) in FP64 from the FP32 scale, then rounds it to FP32.
     scale_log2 = _fp32(_fp32(scale) * LOG2E)
     jit.decode_attention_split_kernel[(B, h_kv, splits)](
@@ -129,20 +111,22 @@ def _decode_attention_op(
         k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0, out.stride(0), out.stride(1), tiles,
         GROUPS=groups, G_PAD=max(16, 1 << (groups - 1).bit_length()), D=D, BLOCK_N=block_n,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # FP32 caches: no silent TF32
-        KV_FP8=fp8, FLASH_ORDER=flash_order, DIRECT=direct, HAS_PADS=pads is not None, **LAUNCH, **out_q, **pdl,
+        KV_FP8=fp8, FLASH_ORDER=flash_order, DIRECT=direct, HAS_PADS=pads is not None, LOOP_STAGES=loop_stages,
+        num_warps=num_warps, **out_q,
     )  # fmt: skip
     if direct:
         return out, oq, os_
     jit.decode_attention_reduce_kernel[(B, H)](
         m, l, acc, out, oq.view(torch.uint8), os_, m.stride(0), m.stride(1), acc.stride(0), acc.stride(1), acc.stride(2),
         out.stride(0), out.stride(1), scale_log2, SPLITS=splits,
-        S_PAD=max(2, 1 << (splits - 1).bit_length()), D=D, FLASH_ORDER=flash_order, num_warps=4, **out_q, **pdl,
+        S_PAD=max(2, 1 << (splits - 1).bit_length()), D=D, FLASH_ORDER=flash_order, num_warps=4, **out_q,
     )  # fmt: skip
     return out, oq, os_
 
 
 @_decode_attention_op.register_fake
-def _(q, k_cache, v_cache, slots, lengths, scale, splits, k_scale, v_scale, block_n, flash_order, quant_format, pads):
+def _(q, k_cache, v_cache, slots, lengths, scale, splits, k_scale, v_scale, block_n, flash_order, quant_format, pads,
+      num_warps, loop_stages, direct_single_split):  # fmt: skip
     B, H, D = q.shape
     quant = bool(quant_format)
     return (
@@ -156,7 +140,8 @@ def decode_attention(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, lengths: Tensor, scale: float, *,
     splits: Optional[int] = None, k_scale: Optional[Tensor] = None, v_scale: Optional[Tensor] = None,
     block_n: int = BLOCK_N, flash_order: bool = FLASH_ORDER, quantize_output: Optional[str] = None,
-    pads: Optional[Tensor] = None,
+    pads: Optional[Tensor] = None, settings: DecodeAttentionSettings = DecodeAttentionSettings(),
+    direct_single_split: bool = True,
 ) -> Tensor | tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """Attention of ``q`` ``(B, H, D)`` over each row's live cached positions; see the module table.
 
@@ -169,7 +154,12 @@ def decode_attention(
     ``pads`` ``[B]`` (integers >= 0): how many left-padding positions precede row ``b``'s first cached
     one in the training forward's padded batch. A tiled training kernel starts its tiles at the padded
     row's position 0, so row ``b``'s tiles here start ``pads[b] mod block_n`` positions early (masked),
-    on the same boundaries; the sums then follow that kernel's order on padded rows too."""
+    on the same boundaries; the sums then follow that kernel's order on padded rows too.
+    ``settings``: the launch (warps, pipelining depth, the split plan's minimum tiles per split); the
+    warps share a tile's row sums, so their number can change the order of the sums
+    (``benchmarks/probe_attention_bits.py`` says how far from the training forward a setting lands).
+    ``direct_single_split``: one split writes the normalized output from phase 1, one launch fewer
+    than phase 2, with the same bits (False, for tests: phase 2 runs anyway)."""
     if q.device.type != "cuda":
         raise ValueError("decode_attention is a CUDA kernel; on CPU use decode_attention_reference.")
     B, H, D = q.shape
@@ -188,7 +178,7 @@ def decode_attention(
     if pads is not None and (pads.shape != (B,) or pads.dtype not in (torch.int32, torch.int64)):
         raise ValueError(f"pads must be an int32 / int64 tensor of shape ({B},); got {pads.dtype} {tuple(pads.shape)}.")
     if splits is None:
-        splits = plan_splits(B, k_cache.shape[1], k_cache.shape[2], block_n, sm_count(q.device))
+        splits = plan_splits(B, k_cache.shape[1], k_cache.shape[2], block_n, sm_count(q.device), settings)
     if splits < 1:
         raise ValueError(f"splits must be >= 1; got {splits}.")
     if quantize_output is not None:
@@ -196,5 +186,6 @@ def decode_attention(
         if D != 128:
             raise ValueError(f"quantize_output needs head_dim 128 (one 1x128 group per head); got {D}.")
     out, oq, os_ = call_op(_decode_attention_op, q, k_cache, v_cache, slots, lengths, float(scale), int(splits),
-                           k_scale, v_scale, int(block_n), bool(flash_order), quantize_output or "", pads)  # fmt: skip
+                           k_scale, v_scale, int(block_n), bool(flash_order), quantize_output or "", pads,
+                           settings.num_warps, settings.loop_stages, bool(direct_single_split))  # fmt: skip
     return (out, oq, os_) if quantize_output is not None else out

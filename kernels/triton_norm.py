@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from ._triton_support import call_op, cdiv, check_cuda_2d, check_scale_format, load_jit, pdl_launch, sm_count
+from ._triton_support import call_op, cdiv, check_cuda_2d, check_scale_format, load_jit, sm_count
 
 __all__ = ["add_rmsnorm_quant_fp8", "rmsnorm_backward", "rmsnorm_quant_fp8"]
 
@@ -25,11 +25,6 @@ _FP8 = torch.float8_e4m3fn
 _GROUP = 128
 _MAX_K = 65536
 _TILE_ELEMENTS = 4096  # elements per program tile of the narrow-row norm kernels (rows of 128: 32 rows)
-# Warps of the fused residual add + RMSNorm launch; None: by row width, up to 32 for rows of 4096.
-# At decode it runs one program per row (16-64 programs), so wide programs keep more loads in flight:
-# on the H200 the o projection's epilogue at M = 64 took 13.4 us with 32 warps against 15.0 with 8
-# and 17.0 with 4 (benchmarks/bench_decode_gemm.py --epilogue, docs/history.md §7). A benchmark knob.
-ADD_NORM_WARPS: Optional[int] = None
 
 
 def _rows_per_tile(block_k: int) -> int:
@@ -54,7 +49,7 @@ def _rmsnorm_quant_op(
     jit.rmsnorm_quant_kernel[(cdiv(m, rows),)](
         x, weight, y, q.view(torch.uint8), s, m, k, float(k), eps, x.stride(0), y.stride(0), q.stride(0), s.stride(0),
         BLOCK_K=block_k, ROWS=rows, LEVELS=block_k.bit_length() - 2, GROUP=_GROUP, UE8M0=scale_format == "ue8m0",
-        QUANT=quantize, num_warps=min(16, max(4, rows * block_k // 512)), **pdl_launch(x.device),
+        QUANT=quantize, num_warps=min(16, max(4, rows * block_k // 512)),
         enable_fp_fusion=False,  # x*x + y*y must round twice, as in the reference
     )
     return y, q, s
@@ -93,7 +88,7 @@ def rmsnorm_quant_fp8(
 @torch.library.custom_op("jetrl::add_rmsnorm_quant_fp8", mutates_args=(), device_types="cuda")
 def _add_rmsnorm_quant_op(
     residual: torch.Tensor, delta: torch.Tensor, bias: Optional[torch.Tensor], weight: torch.Tensor, eps: float,
-    scale_format: str,
+    scale_format: str, num_warps: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     jit = load_jit("_triton_fused_jit")
     m, k = residual.shape
@@ -109,14 +104,21 @@ def _add_rmsnorm_quant_op(
         residual, delta, bias if bias is not None else weight, weight, h, y, q.view(torch.uint8), s, m, k, float(k),
         eps, residual.stride(0), delta.stride(0) if parts == 0 else 0, h.stride(0), y.stride(0), q.stride(0),
         s.stride(0), PARTS=parts, HAS_BIAS=bias is not None, BLOCK_K=block_k, LEVELS=block_k.bit_length() - 2,
-        GROUP=_GROUP, UE8M0=scale_format == "ue8m0", num_warps=ADD_NORM_WARPS or min(32, max(4, block_k // 128)),
-        **pdl_launch(residual.device), enable_fp_fusion=False,  # as rmsnorm_quant_fp8 (and no FMA in the split sums)
+        GROUP=_GROUP, UE8M0=scale_format == "ue8m0", num_warps=num_warps or _add_norm_warps(block_k),
+        enable_fp_fusion=False,  # as rmsnorm_quant_fp8 (and no FMA in the split sums)
     )  # fmt: skip
     return h, y, q, s
 
 
+def _add_norm_warps(block_k: int) -> int:
+    """Warps of the fused residual add + RMSNorm launch, by row width: up to 32 for rows of 4096. At
+    decode it runs one program per row (16-64 programs), so wide programs keep more loads in flight
+    (measured on the H200 against 8 and 4 warps: benchmarks/bench_decode_gemm.py --epilogue)."""
+    return min(32, max(4, block_k // 128))
+
+
 @_add_rmsnorm_quant_op.register_fake
-def _(residual, delta, bias, weight, eps, scale_format):
+def _(residual, delta, bias, weight, eps, scale_format, num_warps):
     m, k = residual.shape
     return (
         torch.empty_like(residual),
@@ -128,14 +130,15 @@ def _(residual, delta, bias, weight, eps, scale_format):
 
 def add_rmsnorm_quant_fp8(
     residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, *,
-    bias: Optional[torch.Tensor] = None, scale_format: str = "fp32",
+    bias: Optional[torch.Tensor] = None, scale_format: str = "fp32", num_warps: Optional[int] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """``h = residual + delta`` and ``(y, q, s) = rmsnorm_quant_fp8(h, weight, eps)`` in one pass: ``(h, y, q, s)``.
 
     ``delta`` is ``[M, K]`` in ``residual``'s dtype, or the FP32 split-K partial sums ``[S, M, K]``
     (contiguous) of a decode GEMM (``triton_decode_gemm.fp8_decode_gemm_partials``), which are added
     in split order, plus ``bias``, and rounded to ``residual``'s dtype first: the same bits as that
-    GEMM's own output followed by torch's add. ``bias`` only goes with partial sums."""
+    GEMM's own output followed by torch's add. ``bias`` only goes with partial sums. ``num_warps``: the
+    launch's warps (None: by row width; a benchmark compares others)."""
     check_cuda_2d(residual, "residual")
     check_scale_format(scale_format)
     m, k = residual.shape
@@ -158,7 +161,10 @@ def add_rmsnorm_quant_fp8(
         delta = delta if delta.stride(-1) == 1 else delta.contiguous()
     residual = residual if residual.stride(-1) == 1 else residual.contiguous()
     bias = bias.contiguous() if bias is not None else None
-    return call_op(_add_rmsnorm_quant_op, residual, delta, bias, weight.contiguous(), float(eps), scale_format)
+    if num_warps is not None and (num_warps < 1 or num_warps & (num_warps - 1)):
+        raise ValueError(f"num_warps must be a power of two; got {num_warps}.")
+    return call_op(_add_rmsnorm_quant_op, residual, delta, bias, weight.contiguous(), float(eps), scale_format,
+                   num_warps or 0)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------

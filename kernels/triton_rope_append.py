@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._triton_support import call_op, load_jit, pdl_launch
+from ._triton_support import call_op, load_jit
 
 __all__ = ["check_kv_scales", "rope_append", "rope_append_from_partials"]
 
@@ -67,7 +67,7 @@ def _rope_append_op(
         k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0,
         *biases, parts.stride(0) if parts is not None else 0,
         H=H, D=D, KV_FP8=fp8, NORM=norm, LEVELS=D.bit_length() - 2, num_warps=1, enable_fp_fusion=False,
-        **splits, **pdl_launch(q.device),
+        **splits,
     )  # fmt: skip
     return out
 

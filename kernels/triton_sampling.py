@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ._triton_support import call_op, cdiv, check_cuda_2d, load_jit, pdl_launch
+from ._triton_support import call_op, cdiv, check_cuda_2d, load_jit
 
 __all__ = ["block_sums_fp64"]
 
@@ -25,7 +25,7 @@ def _block_sums_op(probs: torch.Tensor, block: int) -> torch.Tensor:
     if rows == 0 or n_blocks == 0:
         return out
     jit.block_sums_fp64_kernel[(rows, n_blocks)](
-        probs, out, vocab, probs.stride(0), n_blocks, BLOCK=block, num_warps=4, **pdl_launch(probs.device)
+        probs, out, vocab, probs.stride(0), n_blocks, BLOCK=block, num_warps=4
     )
     return out
 

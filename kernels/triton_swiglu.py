@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ._triton_support import call_op, cdiv, check_cuda_2d, check_scale_format, load_jit, pdl_launch
+from ._triton_support import call_op, cdiv, check_cuda_2d, check_scale_format, load_jit
 
 __all__ = ["swiglu_quant_fp8"]
 
@@ -42,7 +42,7 @@ def _swiglu_quant_op(
         gate, up, h, q.view(torch.uint8), s, m, k,
         gate.stride(0), up.stride(0), h.stride(0), q.stride(0), s.stride(0),
         GROUP=_GROUP, BLOCK_M=block_m, GROUPS_PER_PROG=groups_per_prog, UE8M0=scale_format == "ue8m0",
-        num_warps=4, **pdl_launch(gate.device),
+        num_warps=4,
         enable_reflect_ftz=False,  # libdevice expf without flush-to-zero, as nvcc builds ATen's
     )
     return h, q, s

@@ -21,6 +21,7 @@ from jetrl_trainer import kernels
 from jetrl_trainer.kernels.settings import QuantKernelSettings
 from jetrl_trainer.quant._handoff import take_prequantized
 from jetrl_trainer.quant.fp8 import dequantize_fp8_groups, quantize_fp8_blocks, quantize_fp8_groups
+from jetrl_trainer.quant.recipe import FP8Recipe
 
 __all__ = ["act_quant_fp8", "decode_gemm_module", "decode_linear_fp8", "requant_transpose_fp8", "transpose_fp8_blocks", "weight_quant_fp8"]
 
@@ -53,36 +54,32 @@ def act_quant_fp8(
     return quantize_fp8_groups(x2d.contiguous(), 128, scale_format=scale_format)
 
 
-def decode_gemm_module(x2d: torch.Tensor, max_m: Optional[int] = None) -> Optional[ModuleType]:
+def decode_gemm_module(x2d: torch.Tensor, max_m: int) -> Optional[ModuleType]:
     """``kernels/triton_decode_gemm`` when it should run on the activation ``x2d [M, K]``: on CUDA
-    with the kernel, 1 <= M <= ``max_m`` (default ``DECODE_MAX_M``), and no GEMM backend forced; else None."""
+    with the kernel, 1 <= M <= ``max_m`` (a recipe's ``decode_gemm.max_m``), and no GEMM backend
+    forced; else None."""
     if not x2d.is_cuda or not kernels.triton_enabled() or kernels.gemm_backend_forced() is not None:
         return None
     module = kernels.optional_module("triton_decode_gemm")
-    if module is None or not 0 < x2d.shape[0] <= (module.DECODE_MAX_M if max_m is None else max_m):
+    if module is None or not 0 < x2d.shape[0] <= max_m:
         return None
     return module
 
 
 def decode_linear_fp8(
-    x2d: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, bias: Optional[torch.Tensor], scale_format: str,
+    x2d: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, bias: Optional[torch.Tensor], recipe: FP8Recipe,
     out_dtype: torch.dtype,
 ) -> Optional[torch.Tensor]:  # fmt: skip
-    """A decode-sized FP8 linear (M <= ``DECODE_MAX_M`` rows) through the split-K decode kernel, or
-    None where the general path (act quant + ``fp8_gemm_nt``) must run: off CUDA, without the
-    kernel, for larger M, or when a GEMM backend is forced. The activation's quantization is the one
-    a fused producer offered, else computed by the act-quant kernel or in the GEMM's prologue
-    (M <= ``PROLOGUE_MAX_M``, off by default); all three give the same bits."""
-    module = decode_gemm_module(x2d)
+    """A decode-sized FP8 linear (M <= ``recipe.decode_gemm.max_m`` rows) through the split-K decode
+    kernel, launched with ``recipe.decode_gemm``, or None where the general path (act quant +
+    ``fp8_gemm_nt``) must run: off CUDA, without the kernel, for larger M, or when a GEMM backend is
+    forced. The activation's quantization is the one a fused producer offered, else the act-quant
+    kernel's (the same bits)."""
+    module = decode_gemm_module(x2d, recipe.decode_gemm.max_m)
     if module is None:
         return None
-    prequantized = take_prequantized(x2d, scale_format)
-    if prequantized is not None:
-        return module.fp8_decode_gemm_nt(*prequantized, w_q, w_s, bias, out_dtype=out_dtype)
-    if x2d.shape[0] > module.PROLOGUE_MAX_M:
-        return module.fp8_decode_gemm_nt(*act_quant_fp8(x2d, scale_format), w_q, w_s, bias, out_dtype=out_dtype)
-    x2d = x2d if x2d.stride(-1) == 1 else x2d.contiguous()
-    return module.fp8_decode_linear(x2d, w_q, w_s, bias, scale_format=scale_format, out_dtype=out_dtype)
+    x_q, x_s = act_quant_fp8(x2d, recipe.scale_format)  # serves a fused producer's pair
+    return module.fp8_decode_gemm_nt(x_q, x_s, w_q, w_s, bias, out_dtype=out_dtype, settings=recipe.decode_gemm)
 
 
 def weight_quant_fp8(

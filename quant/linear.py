@@ -420,7 +420,7 @@ class QuantLinear(nn.Linear):
                 wt_q, wt_s = wt if wt is not None else (None, None)
                 return _FP8LinearFunction.apply(x2d, w, b, w_q, w_s, wt_q, wt_s, recipe, out_dtype)
             # Decode-sized M (rollouts): the split-K decode GEMM (kernels/triton_decode_gemm.py).
-            y = decode_linear_fp8(x2d, w_q, w_s, b, recipe.scale_format, out_dtype)
+            y = decode_linear_fp8(x2d, w_q, w_s, b, recipe, out_dtype)
             if y is not None:
                 return y
             return _fp8_forward(x2d, w_q, w_s, b, recipe, out_dtype)[0]

@@ -31,16 +31,3 @@ def _kernel_caches_per_test():
     from jetrl_trainer.kernels import reset_kernel_caches
 
     reset_kernel_caches()
-
-
-def pytest_configure(config):
-    # JETRL_TEST_LAUNCH="BALANCE=1;attention.REAL_ROWS=1": the decode kernels' launch options under
-    # trial, as defaults for the whole session (every xdist worker runs this), so the GPU suite can
-    # vouch for them before they ship (kernels/launch_overrides.py).
-    import os
-
-    overrides = os.environ.get("JETRL_TEST_LAUNCH")
-    if overrides:
-        from jetrl_trainer.kernels.launch_overrides import apply_launch_overrides, parse_launch_overrides
-
-        apply_launch_overrides(*parse_launch_overrides(overrides.split(";")))

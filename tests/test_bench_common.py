@@ -1,14 +1,18 @@
-"""The benchmarks' cold-weight helpers (CPU): copies that pass the L2 cache, and calls that cycle through them."""
+"""The benchmarks' helpers (CPU): copies that pass the L2 cache, calls that cycle through them, and the
+kernel-settings variants a benchmark builds from its command line."""
 
 from __future__ import annotations
 
 import pathlib
 import sys
 
+import pytest
 import torch
 
+from jetrl_trainer.kernels.settings import DecodeAttentionSettings, DecodeGemmSettings
+
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
-from _common import cold_copies, cycling  # noqa: E402
+from _common import cold_copies, cycling, replaced_settings  # noqa: E402
 
 
 def test_cold_copies_pass_three_times_the_l2_cache_in_distinct_memory():
@@ -29,3 +33,15 @@ def test_cycling_calls_each_copy_in_turn():
     for _ in range(7):
         call()
     assert seen == [(1, 2), (3, 4), (5, 6), (1, 2), (3, 4), (5, 6), (1, 2)]
+
+
+def test_replaced_settings_build_the_variant_a_benchmark_compares():
+    assert replaced_settings(DecodeGemmSettings(), "") == DecodeGemmSettings()
+    assert replaced_settings(DecodeGemmSettings(), " waves=1, num_warps=8") == DecodeGemmSettings(waves=1, num_warps=8)
+    assert replaced_settings(DecodeAttentionSettings(), "loop_stages=1") == DecodeAttentionSettings(loop_stages=1)
+    for bad in ("nope=1", "waves", "waves=x", "WAVES=1"):
+        with pytest.raises(ValueError, match="FIELD=<int>"):
+            replaced_settings(DecodeGemmSettings(), bad)
+    with pytest.raises(ValueError, match="positive"):  # the settings' own validation
+        replaced_settings(DecodeGemmSettings(), "waves=0")
+

@@ -33,12 +33,17 @@ def test_weight_bytes_count_linears_lm_head_and_norms_not_the_embedding_table(fp
     assert bench_rollout.weight_bytes(model, fp8) == projection + lm_head + norms
 
 
-def test_profile_names_carry_launch_overrides_for_both_kernels():
-    """``--profile fp8@BALANCE=1@attention.PREFETCH_NEXT=1``: one process profiles several launches; an
-    unknown key stops the benchmark before it builds the model."""
-    assert bench_rollout.split_overrides("fp8") == ("fp8", {}, {})
-    base, gemm, attention = bench_rollout.split_overrides("fp8_cumsum@BALANCE=1@attention.PREFETCH_NEXT=1")
-    assert (base, gemm, attention) == ("fp8_cumsum", {"BALANCE": 1}, {"PREFETCH_NEXT": 1})
-    for bad in ("fp8@NOPE=1", "fp8@attention.NOPE=1", "fp8@BALANCE", "fp8@BALANCE=x"):
-        with pytest.raises(SystemExit, match="--profile"):
-            bench_rollout.split_overrides(bad)
+def test_decode_gemm_settings_are_set_on_the_rollout_recipe_and_restored():
+    """A benchmark variant's decode-GEMM settings go into every FP8 rollout recipe (its scale format kept)
+    for the block, and the ones before come back after it."""
+    from jetrl_trainer.kernels.settings import DecodeGemmSettings
+
+    model = build_tiny_qwen3(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                             head_dim=64)  # fmt: skip
+    quantize_model(model, train="bf16", rollout="fp8", scale_format="ue8m0")
+    assert bench_rollout.decode_gemm_settings(model) == DecodeGemmSettings()
+    variant = DecodeGemmSettings(min_groups_per_split=1)
+    with bench_rollout.rollout_decode_gemm(model, variant):
+        recipes = [m.recipes["rollout"] for m in model.modules() if isinstance(m, QuantLinear)]
+        assert recipes and all(r.decode_gemm == variant and r.scale_format == "ue8m0" for r in recipes)
+    assert bench_rollout.decode_gemm_settings(model) == DecodeGemmSettings()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from jetrl_trainer.kernels.settings import DecodeAttentionSettings
 from jetrl_trainer.kernels.triton_decode_attention import decode_attention, decode_attention_reference, plan_splits
 from jetrl_trainer.rollout.engine.attention import decode_attention as engine_sdpa_attention
 
@@ -86,6 +87,8 @@ def test_split_plan_fills_the_gpu_only_while_rows_leave_sms_idle():
     assert plan_splits(8, 8, 4096, 64, 132) == 5
     assert plan_splits(8, 8, 384, 64, 132) == 2  # short cache: each split keeps >= 4 tiles
     assert plan_splits(8, 8, 100, 64, 132) == 1
+    shorter = DecodeAttentionSettings(min_tiles_per_split=2)  # splits of >= 2 tiles
+    assert plan_splits(8, 8, 384, 64, 132, shorter) == 3 and plan_splits(1, 8, 4096, 64, 132, shorter) == 32
 
 
 @pytest.mark.gpu
@@ -102,15 +105,31 @@ def test_default_launch_matches_the_reference(rows):
 @pytest.mark.gpu
 @CUDA
 @pytest.mark.parametrize("flash_order", [False, True])
-def test_one_split_written_by_phase_one_has_the_bits_of_phase_two(monkeypatch, flash_order):
-    from jetrl_trainer.kernels import triton_decode_attention as kernel
-
+def test_one_split_written_by_phase_one_has_the_bits_of_phase_two(flash_order):
     _need_triton()
     q, k, v, slots, lengths = _inputs(6, 32, 8, 300, 128, 6, torch.bfloat16, device="cuda")
     direct = decode_attention(q, k, v, slots, lengths, 0.088, splits=1, flash_order=flash_order)
-    monkeypatch.setattr(kernel, "DIRECT_SINGLE_SPLIT", False)
-    two_phase = decode_attention(q, k, v, slots, lengths, 0.088, splits=1, flash_order=flash_order)
+    two_phase = decode_attention(q, k, v, slots, lengths, 0.088, splits=1, flash_order=flash_order,
+                                 direct_single_split=False)  # fmt: skip
     assert torch.equal(direct, two_phase)
+
+
+@pytest.mark.gpu
+@CUDA
+@pytest.mark.parametrize("splits", [1, 3])
+def test_launch_settings_reach_the_kernel(splits):
+    """``settings``: the tile loop unpipelined (one stage) sums in the same order, so the same bits;
+    eight warps share a tile's row sums differently, still the reference's values."""
+    _need_triton()
+    q, k, v, slots, lengths = _inputs(6, 32, 8, 300, 128, 6, torch.bfloat16, device="cuda")
+    options = dict(splits=splits, block_n=128, flash_order=False, pads=torch.tensor([0, 1, 127, 128, 200, 5]).cuda())
+    shipped = decode_attention(q, k, v, slots, lengths, 0.088, **options)
+    one_stage = decode_attention(q, k, v, slots, lengths, 0.088, settings=DecodeAttentionSettings(loop_stages=1),
+                                 **options)  # fmt: skip
+    assert torch.equal(one_stage, shipped)
+    eight = decode_attention(q, k, v, slots, lengths, 0.088, settings=DecodeAttentionSettings(num_warps=8), **options)
+    ref = decode_attention_reference(q, k, v, slots, lengths, 0.088)
+    assert torch.allclose(eight.float(), ref.float(), atol=3e-2, rtol=0)
 
 
 @pytest.mark.gpu
@@ -137,60 +156,14 @@ def test_kernel_reads_only_live_positions_and_replays_in_a_graph():
 
 @pytest.mark.gpu
 @CUDA
-@pytest.mark.parametrize("kv_fp8", [False, True])
-@pytest.mark.parametrize("splits", [1, 3])
-@pytest.mark.parametrize("flash_order", [False, True])
-def test_next_tile_prefetch_keeps_the_bits(monkeypatch, flash_order, splits, kv_fp8):
-    """LAUNCH["PREFETCH_NEXT"]: the L2 hints for the next tile change no bit (padded rows, BF16 or FP8
-    caches, one split or several, both orders, the o projection's quant), eagerly and replayed in a
-    CUDA graph after the lengths moved."""
-    from jetrl_trainer.kernels import triton_decode_attention as kernel
-    from jetrl_trainer.quant.fp8 import quantize_fp8_groups
-
-    _need_triton()
-    q, k, v, slots, lengths = _inputs(6, 32, 8, 300, 128, 6, torch.bfloat16, device="cuda")
-    scales = {}
-    if kv_fp8:  # one scale per (slot, KV head, position), as KVCache(fp8=True) encodes them
-        (k, k_scale), (v, v_scale) = (quantize_fp8_groups(x, 128) for x in (k, v))
-        scales = dict(k_scale=k_scale[..., 0].contiguous(), v_scale=v_scale[..., 0].contiguous())
-    pads = torch.tensor([0, 1, 127, 128, 200, 5], device="cuda")
-    options = dict(splits=splits, block_n=128, flash_order=flash_order, pads=pads, quantize_output="fp32", **scales)
-
-    def run():  # the output, its FP8 bits and scales
-        out, out_q, out_s = decode_attention(q, k, v, slots, lengths, 0.088, **options)
-        return out, out_q.view(torch.uint8), out_s
-
-    monkeypatch.setitem(kernel.LAUNCH, "PREFETCH_NEXT", 0)
-    want = run()
-    monkeypatch.setitem(kernel.LAUNCH, "PREFETCH_NEXT", 1)
-    for got, ref in zip(run(), want):
-        assert torch.equal(got, ref)
-    run()  # warm-up outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = run()
-    lengths.copy_((lengths - 7).clamp(min=1))
-    graph.replay()
-    monkeypatch.setitem(kernel.LAUNCH, "PREFETCH_NEXT", 0)
-    for got, ref in zip(outs, run()):
-        assert torch.equal(got, ref)
-
-
-@pytest.mark.gpu
-@CUDA
 @pytest.mark.parametrize("scale_format", ["fp32", "ue8m0"])
 @pytest.mark.parametrize("splits", [1, 3])
-@pytest.mark.parametrize("real_rows", [0, 1])
-def test_quantized_output_is_quantize_fp8_groups_of_the_output(splits, scale_format, real_rows, monkeypatch):
+def test_quantized_output_is_quantize_fp8_groups_of_the_output(splits, scale_format):
     """``quantize_output``: the same output, and its 1x128 quantization (one group per head) bit for
-    bit, from phase 1 (one split) and from phase 2 (several); with LAUNCH["REAL_ROWS"] phase 1 drops
-    the query-head padding rows first."""
-    from jetrl_trainer.kernels import triton_decode_attention as kernel
+    bit, from phase 1 (one split, the query-head padding rows dropped first) and from phase 2 (several)."""
     from jetrl_trainer.quant.fp8 import quantize_fp8_groups
 
     _need_triton()
-    monkeypatch.setitem(kernel.LAUNCH, "REAL_ROWS", real_rows)
     q, k, v, slots, lengths = _inputs(6, 32, 8, 300, 128, 6, torch.bfloat16, device="cuda")
     plain = decode_attention(q, k, v, slots, lengths, 0.088, splits=splits)
     out, out_q, out_s = decode_attention(q, k, v, slots, lengths, 0.088, splits=splits, quantize_output=scale_format)
@@ -198,9 +171,6 @@ def test_quantized_output_is_quantize_fp8_groups_of_the_output(splits, scale_for
     ref_q, ref_s = quantize_fp8_groups(out.reshape(6, -1), 128, scale_format=scale_format)
     assert out_q.shape == (6, 32 * 128) and out_s.shape == (6, 32)
     assert torch.equal(out_q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(out_s, ref_s)
-    if real_rows:  # the same output as with the padding rows kept
-        monkeypatch.setitem(kernel.LAUNCH, "REAL_ROWS", 0)
-        assert torch.equal(decode_attention(q, k, v, slots, lengths, 0.088, splits=splits), out)
 
 
 @pytest.mark.gpu

@@ -141,11 +141,12 @@ def test_grouped_projections_change_no_token(arch, monkeypatch):
 
 
 def test_qkv_group_takes_the_decode_kernel_up_to_its_row_limit(monkeypatch):
-    """Above DECODE_MAX_M rows only the q/k/v group keeps the grouped launch (up to QKV_MAX_ROWS):
+    """Above the recipe's decode_gemm.max_m rows only the q/k/v group keeps the grouped launch (up to QKV_MAX_ROWS):
     a 130-row batch (its graph bucket: 130 rows) runs it at 130 rows, gate/up never above 64 rows, and the greedy
     tokens are those of the modules one by one."""
     _graphs_or_skip()
     from jetrl_trainer.kernels import triton_decode_gemm as dg
+    from jetrl_trainer.kernels.settings import DecodeGemmSettings
     from jetrl_trainer.rollout.engine.projections import QKV_MAX_ROWS
 
     model, tok = build_tiny_qwen3(tokenizer()).cuda().eval(), tokenizer()
@@ -159,7 +160,8 @@ def test_qkv_group_takes_the_decode_kernel_up_to_its_row_limit(monkeypatch):
     grouped, calls, ungrouped = _grouped_then_ungrouped(model, prompts, config, calls)
     qkv_rows = {rows for n, rows in calls if n == 3}
     mlp_rows = {rows for n, rows in calls if n == 2}
-    assert 130 in qkv_rows and max(qkv_rows) <= QKV_MAX_ROWS and max(mlp_rows, default=0) <= dg.DECODE_MAX_M, (qkv_rows, mlp_rows)
+    decode_max_m = DecodeGemmSettings().max_m
+    assert 130 in qkv_rows and max(qkv_rows) <= QKV_MAX_ROWS and max(mlp_rows, default=0) <= decode_max_m, (qkv_rows, mlp_rows)
     assert grouped[0] == ungrouped[0]
 
 
@@ -307,12 +309,17 @@ def test_fused_qkv_reduce_changes_no_bit(arch, min_groups, monkeypatch):
     log-probs, bit for bit, as the GEMM's own reduction, and the fused launch really ran in every
     layer; with the shipped split length (one split here) the plain path runs instead."""
     _graphs_or_skip()
-    from jetrl_trainer.kernels import triton_decode_gemm as dg
     from jetrl_trainer.kernels import triton_rope_append
+    from jetrl_trainer.kernels.settings import DecodeGemmSettings
+    from jetrl_trainer.quant import QuantLinear
+    from jetrl_trainer.quant.recipe import FP8Recipe
 
-    monkeypatch.setitem(dg.LAUNCH, "MIN_GROUPS_PER_SPLIT", min_groups)
     tok = tokenizer()
     model = _fp8_head128_model(arch, tok, hidden_size=512)  # K of 4 groups: q/k/v split in up to 4
+    recipe = FP8Recipe(decode_gemm=DecodeGemmSettings(min_groups_per_split=min_groups))
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            m.set_recipes(train=recipe, rollout=recipe)
     calls = []
     real = triton_rope_append.rope_append_from_partials
 
@@ -331,52 +338,6 @@ def test_fused_qkv_reduce_changes_no_bit(arch, min_groups, monkeypatch):
 
     _same_bits_with_and_without(model, tok, "fused_qkv_reduce", reduced_in_the_rope_launch)
     assert not calls
-
-
-@pytest.mark.parametrize("arch", ["qwen3", "llama_bias"])
-def test_programmatic_dependent_launch_changes_no_bit(arch, monkeypatch):
-    """The decode step's Triton kernels with programmatic dependent launch (each may start while the
-    one before drains; the GEMMs prefetch weights before they wait): the same tokens and log-probs,
-    bit for bit, as without it, over rows that finish at different steps (bucket changes), and the
-    launches really carried the attribute."""
-    _graphs_or_skip()
-    if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("programmatic dependent launch needs sm_90+")
-    from jetrl_trainer.kernels import _triton_support as support
-    from jetrl_trainer.kernels import triton_decode_attention, triton_decode_gemm, triton_norm, triton_rope_append
-    from jetrl_trainer.kernels import triton_swiglu
-
-    tok = tokenizer()
-    model = _fp8_head128_model(arch, tok)
-    launched = {}
-
-    def counting(name):
-        def wrapped(device):
-            got = support.pdl_launch(device)
-            launched[name] = launched.get(name, 0) + got["PDL"]
-            return got
-
-        return wrapped
-
-    for module in (triton_decode_attention, triton_decode_gemm, triton_norm, triton_rope_append, triton_swiglu):
-        monkeypatch.setattr(module, "pdl_launch", counting(module.__name__.rsplit(".", 1)[1]))
-    config = GenerationConfig(max_new_tokens=12, do_sample=True, temperature=1.0, pad_token_id=tok.pad_token_id)
-    prompts = PROMPTS * 2
-    budgets = [3 + (i * 5) % 10 for i in range(len(prompts))]
-    runs = []
-    with precision_phase("rollout"):
-        for pdl in (True, False):
-            engine = DecodeEngine(model, cuda_graphs=True)
-            engine.programmatic_dependent_launch = pdl
-            runs.append(engine.generate(prompts, config, eos_token_ids=[-1], seed=5, pad_token_id=0, row_budgets=budgets))
-            if pdl:
-                assert all(launched.get(name, 0) > 0 for name in ("triton_decode_attention", "triton_decode_gemm",
-                           "triton_norm", "triton_rope_append", "triton_swiglu")), launched  # fmt: skip
-                launched.clear()
-    assert not any(launched.values()), launched  # off: no launch carried it
-    assert runs[0][0] == runs[1][0]
-    for a, b in zip(runs[0][1], runs[1][1]):
-        assert torch.equal(torch.tensor(a), torch.tensor(b))
 
 
 def test_unified_mismatch_on_an_8b_shaped_model_is_no_larger_than_with_generate():

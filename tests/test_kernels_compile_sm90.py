@@ -1,9 +1,9 @@
 """Every Triton kernel compiles for the H200 (sm_90) on a machine without a GPU (``.ci/interpret.sh``).
 
 Triton compiles ahead of time for a named target (its wheel ships ``ptxas``), so CI catches a kernel
-that no longer compiles, or a variant that lost the instructions it exists for (TMA's bulk tensor
-copies, Hopper's wgmma, the quant kernels' saturating FP8 cast and IEEE division that the numerics
-contract relies on), before a GPU session spends device time on it. Run without
+that no longer compiles, or a variant that lost the instructions it exists for (Hopper's wgmma, the
+pipelined loads' asynchronous copies, the quant kernels' saturating FP8 cast and IEEE division that
+the numerics contract relies on), before a GPU session spends device time on it. Run without
 ``TRITON_INTERPRET`` (the interpreter replaces ``@triton.jit`` functions).
 """
 
@@ -48,34 +48,29 @@ def _compile(fn, pointers: dict[str, str], constexprs: dict, floats=(), launch=N
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=launch or {}).asm["ptx"]
 
 
-def _gemm_pointers(tma: bool, block_m: int, block_n: int) -> dict[str, str]:
+def _gemm_pointers() -> dict[str, str]:
     types = dict(x_ptr="*fp8e4nv", w_ptr="*fp8e4nv", w1_ptr="*fp8e4nv", w2_ptr="*fp8e4nv", out_ptr="*bf16",
-                 out1_ptr="*bf16", out2_ptr="*bf16", xq_ptr="*u8")  # fmt: skip
-    for name in ("xs_ptr", "ws_ptr", "part_ptr", "bias_ptr", "xqs_ptr", "ws1_ptr", "bias1_ptr", "ws2_ptr", "bias2_ptr"):
+                 out1_ptr="*bf16", out2_ptr="*bf16")  # fmt: skip
+    for name in ("xs_ptr", "ws_ptr", "part_ptr", "bias_ptr", "ws1_ptr", "bias1_ptr", "ws2_ptr", "bias2_ptr"):
         types[name] = "*fp32"
-    for name in ("x_desc", "w_desc", "w1_desc", "w2_desc"):
-        rows = block_m if name == "x_desc" else block_n
-        types[name] = f"tensordesc<fp8e4nv[{rows}, 128]>" if tma else "*fp8e4nv"
     return types
 
 
-@pytest.mark.parametrize("tma, scale_ahead, prefetch_ahead", [(False, False, 0), (True, False, 0), (False, True, 0),
-                                                             (False, True, 4), (True, True, 2)])
 @pytest.mark.parametrize("block_m, block_n, swap, segments", [(16, 64, True, 3), (64, 64, False, 1), (64, 128, False, 2)])
-def test_decode_gemm_compiles_with_wgmma_and_tma_where_asked(tma, scale_ahead, prefetch_ahead, block_m, block_n, swap,
-                                                             segments):  # fmt: skip
+def test_decode_gemm_compiles_with_wgmma_and_pipelined_loads(block_m, block_n, swap, segments):
+    """The shipped launch (``DecodeGemmSettings()``'s warps and stages): Hopper's wgmma, and the tile
+    loads pipelined (asynchronous copies into shared memory; two scale look-aheads made Triton 3.6
+    load the tiles synchronously instead)."""
+    from jetrl_trainer.kernels.settings import DecodeGemmSettings
+
     jit = importlib.import_module("jetrl_trainer.kernels._triton_decode_gemm_jit")
-    constexprs = dict(GROUPS_PER_SPLIT=4, SPLITS=2, BLOCK_M=block_m, BLOCK_N=block_n, QUANTIZE=False, SWAP=swap,
-                      HAS_BIAS=False, WRITE_Q=False, UE8M0=False, SEGMENTS=segments, PDL=False, PREFETCH_GROUPS=0,
-                      TMA=tma, SCALE_AHEAD=scale_ahead, PARTIALS=False, PREFETCH_AHEAD=prefetch_ahead)  # fmt: skip
-    ptx = _compile(jit.fp8_decode_gemm_kernel, _gemm_pointers(tma, block_m, block_n), constexprs,
-                   launch=dict(num_warps=4, num_stages=3))  # fmt: skip
+    settings = DecodeGemmSettings()
+    constexprs = dict(GROUPS_PER_SPLIT=4, SPLITS=2, BLOCK_M=block_m, BLOCK_N=block_n, SWAP=swap, HAS_BIAS=False,
+                      SEGMENTS=segments, PARTIALS=False)  # fmt: skip
+    ptx = _compile(jit.fp8_decode_gemm_kernel, _gemm_pointers(), constexprs,
+                   launch=dict(num_warps=settings.num_warps, num_stages=settings.num_stages))  # fmt: skip
     assert "wgmma" in ptx
-    assert ("cp.async.bulk.tensor" in ptx) == tma
-    # Pointer loads stay pipelined (asynchronous copies into shared memory): two scale look-aheads
-    # made Triton 3.6 load the tiles synchronously instead.
-    assert tma or "cp.async.cg.shared.global" in ptx
-    assert ("prefetch.global.L2" in ptx) == bool(prefetch_ahead)  # PREFETCH_AHEAD's hints (PDL is off here)
+    assert "cp.async.cg.shared.global" in ptx
 
 
 @pytest.mark.parametrize("partials", [False, True])
@@ -83,11 +78,9 @@ def test_one_split_grouped_launch_stores_its_partials_only_where_asked(partials)
     """``PARTIALS`` (``fp8_decode_gemm_grouped_partials`` with one K split): the FP32 sums go to the
     partials layout, and the output dtype's conversion and the bias are gone."""
     jit = importlib.import_module("jetrl_trainer.kernels._triton_decode_gemm_jit")
-    constexprs = dict(GROUPS_PER_SPLIT=4, SPLITS=1, BLOCK_M=16, BLOCK_N=64, QUANTIZE=False, SWAP=True, HAS_BIAS=True,
-                      WRITE_Q=False, UE8M0=False, SEGMENTS=3, PDL=False, PREFETCH_GROUPS=0, TMA=False,
-                      SCALE_AHEAD=False, PARTIALS=partials, PREFETCH_AHEAD=0)  # fmt: skip
-    ptx = _compile(jit.fp8_decode_gemm_kernel, _gemm_pointers(False, 16, 64), constexprs,
-                   launch=dict(num_warps=4, num_stages=3))  # fmt: skip
+    constexprs = dict(GROUPS_PER_SPLIT=4, SPLITS=1, BLOCK_M=16, BLOCK_N=64, SWAP=True, HAS_BIAS=True, SEGMENTS=3,
+                      PARTIALS=partials)  # fmt: skip
+    ptx = _compile(jit.fp8_decode_gemm_kernel, _gemm_pointers(), constexprs, launch=dict(num_warps=4, num_stages=3))
     assert "wgmma" in ptx
     assert ("cvt.rn.bf16" in ptx) != partials  # the BF16 output's rounding only without partials
 
@@ -115,15 +108,15 @@ QUANT_KERNELS = {  # kernel: (pointer types, constexprs, launch, FP32 scalars); 
 }  # fmt: skip
 FUSED_KERNELS = {
     "rmsnorm_quant_kernel": (dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", q_ptr="*u8", s_ptr="*fp32"),
-                             dict(BLOCK_K=4096, ROWS=1, LEVELS=11, GROUP=128, UE8M0=False, QUANT=True, PDL=False),
+                             dict(BLOCK_K=4096, ROWS=1, LEVELS=11, GROUP=128, UE8M0=False, QUANT=True),
                              dict(num_warps=8),
                              ("k_float", "eps")),
     "add_rmsnorm_quant_kernel": (dict(r_ptr="*bf16", d_ptr="*fp32", bias_ptr="*bf16", w_ptr="*bf16", h_ptr="*bf16",
                                       y_ptr="*bf16", q_ptr="*u8", s_ptr="*fp32"),
-                                 dict(PARTS=5, HAS_BIAS=False, BLOCK_K=4096, LEVELS=11, GROUP=128, UE8M0=False,
-                                      PDL=False), dict(num_warps=32), ("k_float", "eps")),
+                                 dict(PARTS=5, HAS_BIAS=False, BLOCK_K=4096, LEVELS=11, GROUP=128, UE8M0=False),
+                                 dict(num_warps=32), ("k_float", "eps")),
     "swiglu_quant_kernel": (dict(g_ptr="*bf16", u_ptr="*bf16", h_ptr="*bf16", q_ptr="*u8", s_ptr="*fp32"),
-                            dict(GROUP=128, BLOCK_M=16, GROUPS_PER_PROG=2, UE8M0=False, PDL=False), dict(num_warps=4),
+                            dict(GROUP=128, BLOCK_M=16, GROUPS_PER_PROG=2, UE8M0=False), dict(num_warps=4),
                             ()),
 }  # fmt: skip
 
@@ -160,9 +153,9 @@ def test_the_other_kernels_compile():
                                                slots_ptr="*i64", positions_ptr="*i64", k_scale_ptr="*bf16",
                                                v_scale_ptr="*bf16", q_norm_ptr="*bf16", k_norm_ptr="*bf16",
                                                q_bias_ptr="*bf16", k_bias_ptr="*bf16", v_bias_ptr="*bf16"),
-                 dict(H=32, D=128, KV_FP8=False, NORM=True, LEVELS=6, PDL=False, SPLITS=splits, HAS_BIAS=splits > 0),
+                 dict(H=32, D=128, KV_FP8=False, NORM=True, LEVELS=6, SPLITS=splits, HAS_BIAS=splits > 0),
                  floats=("q_eps", "k_eps"), launch=dict(num_warps=1, enable_fp_fusion=False))  # fmt: skip
-    ptx = _compile(sampling.block_sums_fp64_kernel, dict(p_ptr="*fp32", out_ptr="*fp64"), dict(BLOCK=1024, PDL=False),
+    ptx = _compile(sampling.block_sums_fp64_kernel, dict(p_ptr="*fp32", out_ptr="*fp64"), dict(BLOCK=1024),
                    launch=dict(num_warps=4))  # fmt: skip
     assert "add.f64" in ptx or "add.rn.f64" in ptx
 
@@ -175,29 +168,24 @@ _ATTENTION_POINTERS = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", slots_pt
 @pytest.mark.parametrize("direct, quant, flash_order, pads", [(True, True, False, True), (True, False, False, True),
                                                                (False, False, True, False), (True, True, True, True)])
 @pytest.mark.parametrize("kv_fp8", [False, True])
-@pytest.mark.parametrize("prefetch_next, real_rows", [(0, 0), (1, 0), (0, 1)])
-def test_decode_attention_compiles_with_pipelined_tile_loads(direct, quant, flash_order, pads, kv_fp8, prefetch_next,
-                                                             real_rows):  # fmt: skip
+def test_decode_attention_compiles_with_pipelined_tile_loads(direct, quant, flash_order, pads, kv_fp8):
     """The split kernel in the engine's launches (8B head layout: 4 query heads per KV head, 128-position
-    tiles): BF16 or FP8 caches, cuDNN or flash order, one split writing the output (with the o
-    projection's FP8 quant) or partials; the shipped ``LOOP_STAGES`` turns the tile loads into
-    asynchronous copies (what it exists for), and the query heads meet K and V in tensor-core MMAs.
-    ``PREFETCH_NEXT`` adds the L2 hints and keeps the asynchronous copies; ``REAL_ROWS`` (the output's
-    query-head padding rows dropped) builds."""
-    from jetrl_trainer.kernels import triton_decode_attention as attention
+    tiles, ``DecodeAttentionSettings()``): BF16 or FP8 caches, cuDNN or flash order, one split writing
+    the output (with the o projection's FP8 quant) or partials; the shipped ``loop_stages`` turns the
+    tile loads into asynchronous copies (what it exists for), and the query heads meet K and V in
+    tensor-core MMAs."""
+    from jetrl_trainer.kernels.settings import DecodeAttentionSettings
 
     jit = importlib.import_module("jetrl_trainer.kernels._triton_decode_attention_jit")
-    launch = dict(attention.LAUNCH, PREFETCH_NEXT=prefetch_next, REAL_ROWS=real_rows)
+    settings = DecodeAttentionSettings()
     constexprs = dict(GROUPS=4, G_PAD=16, D=128, BLOCK_N=128, PRECISION="tf32", KV_FP8=kv_fp8, FLASH_ORDER=flash_order,
-                      DIRECT=direct, H=32, QUANT=quant, UE8M0=False, PDL=False, HAS_PADS=pads,
-                      **{key: launch.pop(key) for key in ("LOOP_STAGES", "PREFETCH_NEXT", "REAL_ROWS")})  # fmt: skip
+                      DIRECT=direct, H=32, QUANT=quant, UE8M0=False, HAS_PADS=pads, LOOP_STAGES=settings.loop_stages)
     pointers = dict(_ATTENTION_POINTERS, **(dict(k_ptr="*fp8e4nv", v_ptr="*fp8e4nv") if kv_fp8 else {}))
     ptx = _compile(jit.decode_attention_split_kernel, pointers, constexprs, floats=("scale", "scale_log2"),
-                   launch=launch)  # fmt: skip
+                   launch=dict(num_warps=settings.num_warps))  # fmt: skip
     assert "mma.sync" in ptx
-    assert constexprs["LOOP_STAGES"] < 2 or "cp.async.cg.shared.global" in ptx or "cp.async.ca.shared.global" in ptx
+    assert settings.loop_stages < 2 or "cp.async.cg.shared.global" in ptx or "cp.async.ca.shared.global" in ptx
     assert ("cvt.rn.satfinite.e4m3x2.f32" in ptx) == quant  # the output's FP8 quant only where asked
-    assert ("prefetch.global.L2" in ptx) == bool(prefetch_next)
 
 
 @pytest.mark.parametrize("splits, quant", [(2, False), (3, True), (8, True)])
@@ -205,7 +193,7 @@ def test_decode_attention_reduce_compiles(splits, quant):
     jit = importlib.import_module("jetrl_trainer.kernels._triton_decode_attention_jit")
     pointers = dict(m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", out_ptr="*bf16", oq_ptr="*u8", os_ptr="*fp32")
     constexprs = dict(SPLITS=splits, S_PAD=max(2, 1 << (splits - 1).bit_length()), D=128, FLASH_ORDER=True, H=32,
-                      QUANT=quant, UE8M0=False, PDL=False)  # fmt: skip
+                      QUANT=quant, UE8M0=False)  # fmt: skip
     ptx = _compile(jit.decode_attention_reduce_kernel, pointers, constexprs, floats=("m_scale",),
                    launch=dict(num_warps=4))  # fmt: skip
     assert ("cvt.rn.satfinite.e4m3x2.f32" in ptx) == quant
@@ -216,7 +204,7 @@ def test_splitk_reduce_compiles(segments, bias):
     jit = importlib.import_module("jetrl_trainer.kernels._triton_decode_gemm_jit")
     pointers = dict(part_ptr="*fp32", bias_ptr="*bf16", out_ptr="*bf16", bias1_ptr="*bf16", out1_ptr="*bf16",
                     bias2_ptr="*bf16", out2_ptr="*bf16")  # fmt: skip
-    constexprs = dict(SPLITS=3, HAS_BIAS=bias, BLOCK=1024, SEGMENTS=segments, PDL=False)
+    constexprs = dict(SPLITS=3, HAS_BIAS=bias, BLOCK=1024, SEGMENTS=segments)
     ptx = _compile(jit.splitk_reduce_kernel, pointers, constexprs, launch=dict(num_warps=4))
     assert "ld.global" in ptx and "st.global" in ptx
 

@@ -50,9 +50,12 @@ def _scalar_loop_bounds(monkeypatch):
 def _attention(q, k, v, slots, lengths, scale, *, splits, block_n, flash_order, pads=None, k_scale=None, v_scale=None):
     """The decode attention's host launch code (the custom op's implementation), on CPU tensors."""
     from jetrl_trainer.kernels import triton_decode_attention as kernel
+    from jetrl_trainer.kernels.settings import DecodeAttentionSettings
 
+    launch = DecodeAttentionSettings()
     out, _, _ = kernel._decode_attention_op._init_fn(q, k, v, slots, lengths, scale, splits, k_scale, v_scale,
-                                                     block_n, flash_order, "", pads)  # fmt: skip
+                                                     block_n, flash_order, "", pads, launch.num_warps,
+                                                     launch.loop_stages, True)  # fmt: skip
     return out
 
 
@@ -103,29 +106,28 @@ def test_decode_attention_over_an_fp8_cache_dequantizes_as_the_reference():
 @pytest.mark.parametrize("heads, kv_heads", [(8, 2), (6, 2), (2, 2)])
 @pytest.mark.parametrize("splits", [1, 2])
 @pytest.mark.parametrize("scale_format", ["fp32", "ue8m0"])
-def test_decode_attention_output_quant_with_and_without_its_padding_rows(heads, kv_heads, splits, scale_format,
-                                                                         monkeypatch):  # fmt: skip
+def test_decode_attention_output_quant_with_and_without_its_padding_rows(heads, kv_heads, splits, scale_format):
     """``quantize_output``: the output's 1x128 FP8 quantization is the act-quant kernel's of the output,
     bit for bit, from phase 1 (one split) and from phase 2; the scales are ``quantize_fp8_groups``'s and
-    the output is the reference's. LAUNCH["REAL_ROWS"] (the MMA's padding rows dropped first: 4, 3 and 1
-    real query heads per KV head in 16 rows) gives the same output and quantization, bit for bit.
-    (Against the act-quant kernel, not torch: the interpreter's FP8 cast rounds some quotients
-    differently from the GPU's; the GPU test compares with torch.)"""
+    the output is the reference's. Phase 1 drops the MMA's padding rows first (4, 3 and 1 real query
+    heads per KV head in 16 rows); phase 2 has none to drop: with one split both give the same output
+    and quantization, bit for bit. (Against the act-quant kernel, not torch: the interpreter's FP8 cast
+    rounds some quotients differently from the GPU's; the GPU test compares with torch.)"""
     from jetrl_trainer.kernels import triton_decode_attention as kernel
     from jetrl_trainer.kernels import triton_quant
+    from jetrl_trainer.kernels.settings import DecodeAttentionSettings
 
     g = torch.Generator().manual_seed(heads + splits)
     q = torch.randn(3, heads, 128, generator=g)
     k, v = torch.randn(4, kv_heads, 40, 128, generator=g), torch.randn(4, kv_heads, 40, 128, generator=g)
     slots, lengths = torch.tensor([2, 0, 3]), torch.tensor([1, 33, 40])
-    results = []
-    for real_rows in (0, 1):
-        monkeypatch.setitem(kernel.LAUNCH, "REAL_ROWS", real_rows)
-        results.append(kernel._decode_attention_op._init_fn(q, k, v, slots, lengths, 0.09, splits, None, None, 16,
-                                                            False, scale_format, None))  # fmt: skip
-    (out, out_q, out_s), (real, real_q, real_s) = results
-    assert torch.equal(real, out) and torch.equal(real_q.view(torch.uint8), out_q.view(torch.uint8))
-    assert torch.equal(real_s, out_s)
+    launch = DecodeAttentionSettings()
+    results = [kernel._decode_attention_op._init_fn(q, k, v, slots, lengths, 0.09, splits, None, None, 16, False,
+                                                    scale_format, None, launch.num_warps, launch.loop_stages, direct)
+               for direct in (True, False)]  # fmt: skip
+    (out, out_q, out_s), (two_phase, two_phase_q, two_phase_s) = results
+    assert torch.equal(two_phase, out) and torch.equal(two_phase_q.view(torch.uint8), out_q.view(torch.uint8))
+    assert torch.equal(two_phase_s, out_s)
     ref = kernel.decode_attention_reference(q, k, v, slots, lengths, 0.09)
     assert torch.allclose(out, ref, atol=1e-5, rtol=0)
     flat = out.reshape(3, heads * 128)
@@ -142,46 +144,31 @@ def _reference_gemm(x_q, x_s, w_q, w_s):
 GEMMS = [(5, [200], 400), (16, [256, 64, 64], 512), (33, [128, 192], 384), (64, [130], 256), (16, [256, 64, 64], 2048)]
 
 
-@pytest.mark.parametrize("variant", ["TMA", "SCALE_AHEAD"])
 @pytest.mark.parametrize("m, widths, k", GEMMS)
-def test_decode_gemm_launch_variants_give_the_bits_of_the_plain_launch(m, widths, k, variant, monkeypatch):
-    """LAUNCH["TMA"]: the same tiles through tensor descriptors (rows and groups past the operand read
-    as zeros). LAUNCH["SCALE_AHEAD"]: each K group's scales loaded one iteration early (the last
-    iteration's look-ahead past K reads nothing).
-    Single and grouped launches, swapped (M < 64) and not, ragged M, N and K, with and without biases
-    (in a grouped launch each segment adds its own); for SCALE_AHEAD also the quantizing prologue."""
+def test_decode_gemm_single_and_grouped_match_the_reference(m, widths, k):
+    """The decode GEMM's host launch and kernel: single and grouped launches, swapped (M < 64) and not,
+    ragged M, N and K, one K split or several, with and without biases (in a grouped launch each
+    segment adds its own, in FP32)."""
     from jetrl_trainer.kernels import triton_decode_gemm as dg
 
-    monkeypatch.setattr(dg, "sm_count", lambda device: 132)  # the H200's: the launch plan of the GPU
-    monkeypatch.setattr(dg, "tma_loads_apply", lambda x_q, weights: True)  # the CPU has no TMA to ask about
     g = torch.Generator().manual_seed(m)
     x = torch.randn(m, k, generator=g) * 3
     x_q, x_s = (t.contiguous() for t in quantize_fp8_groups(x))
     weights = [tuple(t.contiguous() for t in quantize_fp8_blocks(torch.randn(n, k, generator=g) * 0.05)) for n in widths]
     biases = [torch.randn(n, generator=g) for n in widths]
-    plan = dg.plan(m, widths, k, 132)
-    assert plan["SPLITS"] > 1 or plan["GROUPS_PER_SPLIT"] > 1  # the look-ahead crosses a group boundary
-
-    def run(value: int) -> list[torch.Tensor]:
-        monkeypatch.setitem(dg.LAUNCH, variant, value)
-        if len(weights) == 1:
-            outs = [dg._decode_linear_op._init_fn(x_q, x_s, *weights[0], None, "fp32", torch.float32, False)[0]]
-            if variant == "SCALE_AHEAD":  # the prologue quantizes x itself (no activation scales to load)
-                outs.append(dg._decode_linear_op._init_fn(x, None, *weights[0], None, "fp32", torch.float32, False)[0])
-            return outs
+    launch = dg.plan(m, widths, k, 132)  # the H100's and H200's SM count
+    assert launch.splits > 1 or launch.groups_per_split > 1  # the scale look-ahead crosses a group boundary
+    if len(weights) == 1:
+        plain = [dg._decode_gemm_op._init_fn(x_q, x_s, *weights[0], None, torch.float32, launch)]
+        with_bias = [dg._decode_gemm_op._init_fn(x_q, x_s, *weights[0], biases[0], torch.float32, launch)]
+    else:
         w_qs, w_ss = [w for w, _ in weights], [s for _, s in weights]
-        return (dg._decode_grouped_op._init_fn(x_q, x_s, w_qs, w_ss, [None] * len(weights), torch.float32)
-                + dg._decode_grouped_op._init_fn(x_q, x_s, w_qs, w_ss, biases, torch.float32))  # fmt: skip
-
-    plain, variant_out = run(0), run(1)
-    for a, b in zip(plain, variant_out):
-        assert torch.equal(a, b)
-    for (w_q, w_s), a in zip(weights, plain):
-        assert torch.allclose(a.double(), _reference_gemm(x_q, x_s, w_q, w_s), atol=1e-4, rtol=1e-5)
-    if len(weights) > 1:  # each segment's own bias, added in FP32
-        for (w_q, w_s), bias, a in zip(weights, biases, plain[len(weights):]):
-            want = _reference_gemm(x_q, x_s, w_q, w_s) + bias.double()
-            assert torch.allclose(a.double(), want, atol=1e-4, rtol=1e-5)
+        plain = dg._decode_grouped_op._init_fn(x_q, x_s, w_qs, w_ss, [None] * len(weights), torch.float32, launch)
+        with_bias = dg._decode_grouped_op._init_fn(x_q, x_s, w_qs, w_ss, biases, torch.float32, launch)
+    for (w_q, w_s), bias, a, b in zip(weights, biases, plain, with_bias):
+        want = _reference_gemm(x_q, x_s, w_q, w_s)
+        assert torch.allclose(a.double(), want, atol=1e-4, rtol=1e-5)
+        assert torch.allclose(b.double(), want + bias.double(), atol=1e-4, rtol=1e-5)
 
 
 @pytest.mark.parametrize("vocab, block", [(1000, 128), (1024, 256), (151_936 // 64, 1024)])
@@ -233,7 +220,7 @@ def _rmsnorm_one_row_per_program(x, w, eps):
     y, q, s = torch.empty_like(x), torch.empty(m, k, dtype=torch.uint8), torch.empty(m, -(-k // 128))
     rmsnorm_quant_kernel[(m,)](x, w, y, q, s, m, k, float(k), eps, x.stride(0), y.stride(0), q.stride(0), s.stride(0),
                                BLOCK_K=block_k, ROWS=1, LEVELS=block_k.bit_length() - 2, GROUP=128, UE8M0=False,
-                               QUANT=True, PDL=False)  # fmt: skip
+                               QUANT=True)  # fmt: skip
     return y, s
 
 
@@ -337,21 +324,21 @@ def test_requant_transpose_packed_words_give_the_byte_paths_bits(shape):
 
 
 @pytest.mark.parametrize("m, widths, k", [(16, [256, 64, 64], 512), (16, [256, 64, 64], 2048), (5, [128, 192], 384)])
-def test_grouped_partials_reduce_to_the_bits_of_the_grouped_launch(m, widths, k, monkeypatch):
+def test_grouped_partials_reduce_to_the_bits_of_the_grouped_launch(m, widths, k):
     """``fp8_decode_gemm_grouped_partials``: the weights' FP32 split sums side by side, one split (the
     ``PARTIALS`` store) or several; added in split order, plus each weight's bias, they are the
     grouped launch's outputs, bit for bit."""
     from jetrl_trainer.kernels import triton_decode_gemm as dg
 
-    monkeypatch.setattr(dg, "sm_count", lambda device: 132)
     g = torch.Generator().manual_seed(k + m)
     x_q, x_s = (t.contiguous() for t in quantize_fp8_groups(torch.randn(m, k, generator=g) * 3))
     weights = [tuple(t.contiguous() for t in quantize_fp8_blocks(torch.randn(n, k, generator=g) * 0.05)) for n in widths]
     biases = [torch.randn(n, generator=g) for n in widths]
     w_qs, w_ss = [w for w, _ in weights], [s for _, s in weights]
-    parts = dg._decode_grouped_partials_op._init_fn(x_q, x_s, w_qs, w_ss)
-    assert parts.shape == (dg.plan(m, widths, k, 132)["SPLITS"], m, sum(widths))
-    want = dg._decode_grouped_op._init_fn(x_q, x_s, w_qs, w_ss, biases, torch.float32)
+    launch = dg.plan(m, widths, k, 132)
+    parts = dg._decode_grouped_partials_op._init_fn(x_q, x_s, w_qs, w_ss, launch)
+    assert parts.shape == (launch.splits, m, sum(widths))
+    want = dg._decode_grouped_op._init_fn(x_q, x_s, w_qs, w_ss, biases, torch.float32, launch)
     acc = parts[0].clone()
     for part in parts[1:]:
         acc += part

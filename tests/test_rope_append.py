@@ -127,18 +127,19 @@ def test_refuses_norm_weights_of_another_shape_or_dtype():
 @CUDA
 @pytest.mark.parametrize("norms, bias", [(False, True), (True, False)])
 @pytest.mark.parametrize("min_groups", [1, 8])
-def test_from_partials_gives_the_bits_of_the_grouped_gemm_then_rope(norms, bias, min_groups, monkeypatch):
+def test_from_partials_gives_the_bits_of_the_grouped_gemm_then_rope(norms, bias, min_groups):
     """q/k/v of one grouped decode GEMM left as split-K sums (several splits, or one) and reduced inside
     the RoPE + KV-append launch: the rotated q and the cache writes of the grouped launch (its own
     reduction, biases added there) followed by the plain RoPE launch, bit for bit in BF16."""
     from jetrl_trainer import kernels
     from jetrl_trainer.kernels import triton_decode_gemm as dg
+    from jetrl_trainer.kernels.settings import DecodeGemmSettings
     from jetrl_trainer.kernels.triton_rope_append import rope_append_from_partials
     from jetrl_trainer.quant.fp8 import quantize_fp8_blocks, quantize_fp8_groups
 
     if not kernels.triton_available():
         pytest.skip("needs Triton")
-    monkeypatch.setitem(dg.LAUNCH, "MIN_GROUPS_PER_SPLIT", min_groups)
+    settings = DecodeGemmSettings(min_groups_per_split=min_groups)
     module, config = FAMILIES["qwen3"]
     B, H, H_kv, D, S, T, K, dtype = 16, 4, 2, 128, 20, 64, 1024, torch.bfloat16
     g = torch.Generator().manual_seed(min_groups)
@@ -154,9 +155,9 @@ def test_from_partials_gives_the_bits_of_the_grouped_gemm_then_rope(norms, bias,
                 1e-6, 1e-6) if norms else None  # fmt: skip
     caches = [torch.zeros(S, H_kv, T, D, device="cuda", dtype=dtype) for _ in range(4)]
 
-    q, k, v = (t.view(B, -1, D) for t in dg.fp8_decode_gemm_grouped(x_q, x_s, weights, biases))
+    q, k, v = (t.view(B, -1, D) for t in dg.fp8_decode_gemm_grouped(x_q, x_s, weights, biases, settings=settings))
     want = rope_append(q, k, v, cos[:, 0], sin[:, 0], caches[0], caches[1], slots, positions, qk_norms=qk_norms)
-    parts = dg.fp8_decode_gemm_grouped_partials(x_q, x_s, weights)
+    parts = dg.fp8_decode_gemm_grouped_partials(x_q, x_s, weights, settings=settings)
     assert (parts.shape[0] > 1) == (min_groups == 1)  # K = 8 groups: split, or one split (PARTIALS)
     got = rope_append_from_partials(parts, H, cos[:, 0], sin[:, 0], caches[2], caches[3], slots, positions,
                                     biases=biases or None, qk_norms=qk_norms)  # fmt: skip

@@ -152,11 +152,6 @@ class DecodeEngine:
         # bits): one launch fewer per layer wherever K is split. H200, 8B shape, batch 64 (run 46): the
         # step replays in 5.044 against 5.106 ms; False runs the GEMM's own reduction (benchmarks, tests).
         self.fused_qkv_reduce = True
-        # The decode step's Triton kernels launch with programmatic dependent launch (Hopper+): each may
-        # start while the one before drains, and the decode GEMMs prefetch their first weight tiles into
-        # L2 before they wait (kernels/_triton_support.py; the same bits). Opt-in: on the H200 it moved the
-        # FP8 step by -1.3% at batch 64 and +1.3% at 256 (run 23), within run-to-run spread end to end.
-        self.programmatic_dependent_launch = False
         # The last generate call: wall seconds, the host's prefill seconds, the seconds spent capturing
         # CUDA graphs, how many were captured, how often the running batch changed, and the KV cache's bytes.
         self.last_stats: dict = {}

@@ -12,9 +12,11 @@ A group of one (the o and down projections) can leave its output as split-K part
 (`SplitSums`) for the next RMSNorm to reduce, together with the residual add (`residual.py`); the
 q/k/v group can leave its outputs so (`GroupedSplitSums`) for the RoPE + KV-append launch.
 
-A group takes the decode kernel up to ``max_rows`` rows (default: ``DECODE_MAX_M``, where a lone
-projection is faster through the decode kernel than through ``scaled_mm``). q/k/v go further
-(`QKV_MAX_ROWS`): their narrow N tiles fill the GPU only together.
+A group takes the decode kernel up to ``max_rows`` rows (default: the FP8 recipe's
+``decode_gemm.max_m``, where a lone projection is faster through the decode kernel than through
+``scaled_mm``). q/k/v go further (`QKV_MAX_ROWS`): their narrow N tiles fill the GPU only together.
+The launches take their settings from the modules' FP8 recipe (``recipe.decode_gemm``), as each
+module's own call does.
 
 Only plain FP8 `QuantLinear`s group (a peft LoRA layer adds adapters the kernel does not, a BF16
 recipe has no FP8 weight): anything else, and every call off CUDA or above decode M, returns None
@@ -41,7 +43,7 @@ __all__ = ["QKV_MAX_ROWS", "GroupedProjection", "GroupedSplitSums", "SplitSums"]
 # graph replays): the grouped launch took 17.8 us at M = 128 and 26.0 at 256, against 29.0 / 36.6 for
 # BF16; at batch 256 it took the FP8 decode step from 11.6 to 10.7 ms (run 23, BF16 11.6). gate/up
 # grouped (55 us at 128, 89 at 256) lose to two scaled_mm calls with their act quant (46, 70), and
-# o / down lose likewise, so they stay on scaled_mm above DECODE_MAX_M.
+# o / down lose likewise, so they stay on scaled_mm above the recipe's decode_gemm.max_m.
 QKV_MAX_ROWS = 256
 
 
@@ -50,7 +52,7 @@ class GroupedProjection:
 
     def __init__(self, modules: Sequence[QuantLinear], max_rows: int | None = None) -> None:
         self.modules = list(modules)
-        self.max_rows = max_rows  # None: the decode kernel's own DECODE_MAX_M
+        self.max_rows = max_rows  # None: the recipe's decode_gemm.max_m
 
     @classmethod
     def of(cls, modules: Sequence[nn.Module], max_rows: int | None = None) -> GroupedProjection | None:
@@ -65,9 +67,9 @@ class GroupedProjection:
         operands = self._operands(x)
         if operands is None:
             return None
-        module, pair, weights = operands
+        module, pair, weights, settings = operands
         biases = [m.bias for m in self.modules] if self.modules[0].bias is not None else []
-        outs = module.fp8_decode_gemm_grouped(*pair, weights, biases, out_dtype=x.dtype)
+        outs = module.fp8_decode_gemm_grouped(*pair, weights, biases, out_dtype=x.dtype, settings=settings)
         return [y.view(*x.shape[:-1], y.shape[-1]) for y in outs]
 
     def split_sums(self, x: Tensor) -> SplitSums | GroupedSplitSums | None:
@@ -79,44 +81,48 @@ class GroupedProjection:
         launch = self._launch(x)
         if launch is None:
             return None
-        module = launch[0]
+        module, recipe = launch
         x2d = x.reshape(-1, x.shape[-1])
         widths = [m.out_features for m in self.modules]
-        if len(self.modules) > 1 and module.planned_splits(x2d.shape[0], widths, x2d.shape[1], x.device) == 1:
+        if len(self.modules) > 1 and module.planned_splits(x2d.shape[0], widths, x2d.shape[1], x.device,
+                                                           recipe.decode_gemm) == 1:  # fmt: skip
             return None
-        module, pair, weights = self._operands(x, launch)
+        module, pair, weights, settings = self._operands(x, launch)
         if len(self.modules) > 1:
-            parts = module.fp8_decode_gemm_grouped_partials(*pair, weights)
+            parts = module.fp8_decode_gemm_grouped_partials(*pair, weights, settings=settings)
             biases = [m.bias for m in self.modules] if self.modules[0].bias is not None else None
             return GroupedSplitSums(parts, biases, widths, x.dtype)
-        parts = module.fp8_decode_gemm_partials(*pair, *weights[0])
+        parts = module.fp8_decode_gemm_partials(*pair, *weights[0], settings=settings)
         return SplitSums(parts, self.modules[0].bias, (*x.shape[:-1], parts.shape[-1]), x.dtype)
 
     def _launch(self, x: Tensor) -> tuple | None:
-        """(decode-GEMM module, the modules' FP8 recipes) where the group's launch can run on ``x``, else None."""
-        recipes = [m.recipes[current_phase()] for m in self.modules]
-        if not all(isinstance(r, FP8Recipe) for r in recipes) or len({r.scale_format for r in recipes}) != 1:
+        """(decode-GEMM module, the modules' FP8 recipe) where the group's launch can run on ``x``, else
+        None: every module must run one FP8 recipe (scale format and decode-GEMM settings)."""
+        recipes = {m.recipes[current_phase()] for m in self.modules}
+        recipe = recipes.pop() if len(recipes) == 1 else None
+        if not isinstance(recipe, FP8Recipe):
             return None
-        module = decode_gemm_module(x.reshape(-1, x.shape[-1]), self.max_rows)
+        max_rows = self.max_rows if self.max_rows is not None else recipe.decode_gemm.max_m
+        module = decode_gemm_module(x.reshape(-1, x.shape[-1]), max_rows)
         if module is None:
             return None
         if torch.is_grad_enabled() and (x.requires_grad or any(m.weight.requires_grad for m in self.modules)):
             return None  # a rollout runs without autograd; a training forward keeps its own path
-        return module, recipes
+        return module, recipe
 
     def _operands(self, x: Tensor, launch: tuple | None = None) -> tuple | None:
-        """(decode-GEMM module, the activation's FP8 pair, the FP8 weights), or None; ``launch``: what
-        `_launch` already returned for ``x``."""
+        """(decode-GEMM module, the activation's FP8 pair, the FP8 weights, the launch settings), or
+        None; ``launch``: what `_launch` already returned for ``x``."""
         launch = launch if launch is not None else self._launch(x)
         if launch is None:
             return None
-        module, recipes = launch
-        pair = act_quant_fp8(x.reshape(-1, x.shape[-1]), recipes[0].scale_format)  # serves a fused producer's pair
-        weights = [m.quantized_weight(r) for m, r in zip(self.modules, recipes)]
+        module, recipe = launch
+        pair = act_quant_fp8(x.reshape(-1, x.shape[-1]), recipe.scale_format)  # serves a fused producer's pair
+        weights = [m.quantized_weight(recipe) for m in self.modules]
         phase = current_phase()
-        for r in recipes:
-            record_gemm(phase, r.name)
-        return module, pair, weights
+        for _ in self.modules:
+            record_gemm(phase, recipe.name)
+        return module, pair, weights, recipe.decode_gemm
 
     def input_scale_format(self) -> str | None:
         """The FP8 scale format the group quantizes its input with in the active phase, or None."""
