@@ -75,7 +75,7 @@ def fp8_decode_gemm_kernel(
     ``PARTIALS``: a one-split launch also writes its FP32 sums (no bias) into the partials layout
     ``[1, M, N_0 + N_1 + N_2]``, for a consumer that reduces a grouped launch's output itself."""
     # N tiles fastest, M tiles slowest: M tiles fastest (programs sharing a weight tile side by side)
-    # measured slower on the H200 (docs/benchmarks.md), one M tile or not.
+    # measured slower on the H200 (docs/performance.md), one M tile or not.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)

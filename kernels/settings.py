@@ -89,7 +89,7 @@ class DecodeAttentionSettings:
 class QuantKernelSettings:
     """The FP8 quantization kernels (``kernels/triton_quant.py``); none of them changes a bit.
 
-    Defaults from sweeps of ``benchmarks/tune_quant_kernels.py`` on an H200 (docs/benchmarks.md §1),
+    Defaults from sweeps of ``benchmarks/tune_quant_kernels.py`` on an H200 (docs/performance.md),
     which prints its winners as a ``QuantKernelSettings(...)`` to put here. Every entry is a power of two.
 
     Parameters:

@@ -78,7 +78,7 @@ def decode_linear_fp8(
     module = decode_gemm_module(x2d, recipe.decode_gemm.max_m)
     if module is None:
         return None
-    x_q, x_s = act_quant_fp8(x2d, recipe.scale_format)  # serves a fused producer's pair
+    x_q, x_s = act_quant_fp8(x2d, recipe.scale_format, settings=recipe.kernels)  # serves a fused producer's pair
     return module.fp8_decode_gemm_nt(x_q, x_s, w_q, w_s, bias, out_dtype=out_dtype, settings=recipe.decode_gemm)
 
 

@@ -117,7 +117,8 @@ class GroupedProjection:
         if launch is None:
             return None
         module, recipe = launch
-        pair = act_quant_fp8(x.reshape(-1, x.shape[-1]), recipe.scale_format)  # serves a fused producer's pair
+        # A fused producer's pair is served as is.
+        pair = act_quant_fp8(x.reshape(-1, x.shape[-1]), recipe.scale_format, settings=recipe.kernels)
         weights = [m.quantized_weight(recipe) for m in self.modules]
         phase = current_phase()
         for _ in self.modules:
