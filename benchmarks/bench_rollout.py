@@ -32,7 +32,7 @@ from jetrl_trainer.kernels import available_gemm_backends, use_gemm_backend
 from jetrl_trainer.kernels import triton_decode_attention as attention_kernel
 from jetrl_trainer.kernels import triton_decode_gemm as dg
 from jetrl_trainer.kernels.launch_overrides import apply_launch_overrides, launch_overrides, parse_launch_overrides
-from jetrl_trainer.quant import QuantLinear, precision_phase, quantize_model
+from jetrl_trainer.quant import PrecisionPhases, QuantLinear, quantize_model
 from jetrl_trainer.rollout import generate_with_logprobs, left_pad, position_ids_from_mask
 from jetrl_trainer.rollout.engine import DecodeEngine
 from jetrl_trainer.rollout.engine import sampling as engine_sampling
@@ -114,7 +114,7 @@ def mismatch(model, ps, completions, logprobs, rows: int = 8) -> float:
     full_mask = torch.cat([mask, torch.ones_like(comp)], 1).cuda()
     set_train_recipe(model, "fp8")  # the unified flow: train phase FP8 too
     positions = position_ids_from_mask(full_mask)  # live tokens from 0, as the trainer numbers a padded row
-    with torch.no_grad(), precision_phase("train"):
+    with torch.no_grad(), PrecisionPhases(model).train():
         logits = model(input_ids=full, attention_mask=full_mask, position_ids=positions,
                        logits_to_keep=comp.shape[1] + 1).logits[:, :-1]  # fmt: skip
         lp = torch.log_softmax(logits.float(), -1).gather(-1, comp.cuda()[..., None])[..., 0]
@@ -236,7 +236,7 @@ def run_case(
     runs += [("engine", "fp8", "fp8")] if kv_fp8 else []  # + an FP8 KV cache
     for backend, precision, *kv in runs:
         phase = "rollout" if precision == "fp8" else "train"
-        with torch.no_grad(), precision_phase(phase):
+        with torch.no_grad(), PrecisionPhases(model).use(phase):
             if backend.startswith("engine"):
                 kept = backend == "engine_kept"
                 engine = new_engine(model, kv_cache_dtype=kv[0] if kv else "auto", max_batch_size=batch, keep_state=kept)
@@ -322,7 +322,8 @@ def profile_step(model, batch: int, new: int, precisions: tuple[str, ...] = PROF
         prefetch = dg.LAUNCH["PREFETCH_GROUPS"]
         if precision.startswith("fp8_pdl_p"):
             prefetch = int(precision.removeprefix("fp8_pdl_p"))
-        with torch.no_grad(), precision_phase("train" if precision.startswith("bf16") else "rollout"), forced, \
+        phase = "train" if precision.startswith("bf16") else "rollout"
+        with torch.no_grad(), PrecisionPhases(model).use(phase), forced, \
                 sampler_draw(base.endswith("_cumsum")), \
                 launch_overrides({"PREFETCH_GROUPS": prefetch, **gemm_launch}, attention_launch):  # fmt: skip
             engine = DecodeEngine(model)

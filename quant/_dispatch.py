@@ -55,8 +55,10 @@ def act_quant_fp8(x2d: torch.Tensor, scale_format: str = "fp32", *, mn_major_sca
 
 def decode_gemm_module(x2d: torch.Tensor, max_m: Optional[int] = None) -> Optional[ModuleType]:
     """``kernels/triton_decode_gemm`` when it should run on the activation ``x2d [M, K]``: on CUDA
-    with the kernel, 1 <= M <= ``max_m`` (default ``DECODE_MAX_M``), and no GEMM backend forced; else None."""
-    if not x2d.is_cuda or not kernels.triton_enabled() or kernels.gemm_backend_forced() is not None:
+    with the kernel, 1 <= M <= ``max_m`` (default ``DECODE_MAX_M``), and outside a
+    ``use_gemm_backend`` block; else None. ``JETRL_GEMM_BACKEND`` picks the general path's backend
+    only: it does not turn this kernel off (a rollout's summation order stays that of the kernel)."""
+    if not x2d.is_cuda or not kernels.triton_enabled() or kernels.forced_gemm_backend() is not None:
         return None
     module = kernels.optional_module("triton_decode_gemm")
     if module is None or not 0 < x2d.shape[0] <= (module.DECODE_MAX_M if max_m is None else max_m):
@@ -70,8 +72,8 @@ def decode_linear_fp8(
 ) -> Optional[torch.Tensor]:  # fmt: skip
     """A decode-sized FP8 linear (M <= ``DECODE_MAX_M`` rows) through the split-K decode kernel, or
     None where the general path (act quant + ``fp8_gemm_nt``) must run: off CUDA, without the
-    kernel, for larger M, or when a GEMM backend is forced. The activation's quantization is the one
-    a fused producer offered, else computed by the act-quant kernel or in the GEMM's prologue
+    kernel, for larger M, or inside a ``use_gemm_backend`` block. The activation's quantization is
+    the one a fused producer offered, else computed by the act-quant kernel or in the GEMM's prologue
     (M <= ``PROLOGUE_MAX_M``, off by default); all three give the same bits."""
     module = decode_gemm_module(x2d)
     if module is None:

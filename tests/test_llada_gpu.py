@@ -8,7 +8,7 @@ import torch
 
 from jetrl_trainer.diffusion import build_tiny_llada, generate
 from jetrl_trainer.kernels import optional_module, triton_available
-from jetrl_trainer.quant import precision_phase, quantize_model
+from jetrl_trainer.quant import PrecisionPhases, quantize_model
 
 pytestmark = [
     pytest.mark.gpu,
@@ -39,7 +39,7 @@ def prompts(B=6, P=9):
 def test_graphed_denoise_step_equals_eager_greedy(phase, kw):
     model, (ids, mask) = model_fp8(), prompts()
     common = dict(steps=16, gen_length=32, block_length=8, **kw)
-    with precision_phase(phase):
+    with PrecisionPhases(model).use(phase):
         eager = generate(model, ids, mask, cuda_graph=False, **common)
         graphed = generate(model, ids, mask, cuda_graph=True, **common)
         # no padding: the graph is captured without a mask (the model's no-padding shortcut)
@@ -51,7 +51,7 @@ def test_graphed_denoise_step_equals_eager_greedy(phase, kw):
 
 def test_graphed_sampling_keeps_the_schedule_and_draws_fresh_noise():
     model, (ids, mask) = model_fp8(), prompts()
-    with precision_phase("rollout"):
+    with PrecisionPhases(model).rollout():
         torch.manual_seed(0)
         kw = dict(steps=8, gen_length=16, block_length=8, temperature=1.0, cuda_graph=True)
         a = generate(model, ids, mask, **kw)
@@ -72,7 +72,7 @@ def test_fused_swiglu_is_bit_identical_and_runs(monkeypatch):
     monkeypatch.setattr(_fused, "fused_swiglu", lambda *a: calls.append(1) or real(*a))
     canvas = torch.cat([ids, torch.full((ids.shape[0], 16), MASK, device="cuda")], 1)
     attn = torch.cat([mask, torch.ones_like(canvas[:, 9:])], 1)
-    with torch.no_grad(), precision_phase("rollout"):
+    with torch.no_grad(), PrecisionPhases(model).rollout():
         fused = model(canvas, attention_mask=attn).logits
         served = [c for c in calls]
         for block in model.model.transformer.blocks:
@@ -83,7 +83,7 @@ def test_fused_swiglu_is_bit_identical_and_runs(monkeypatch):
     # and it feeds ff_out: the fused path returned a value (not None) in the FP8 phase
     assert real(torch.randn(4, 512, device="cuda", dtype=torch.bfloat16),
                 torch.randn(4, 512, device="cuda", dtype=torch.bfloat16), model.model.transformer.blocks[0]) is None
-    with precision_phase("rollout"):
+    with PrecisionPhases(model).rollout():
         assert real(torch.randn(4, 512, device="cuda", dtype=torch.bfloat16),
                     torch.randn(4, 512, device="cuda", dtype=torch.bfloat16),
                     model.model.transformer.blocks[0]) is not None

@@ -31,7 +31,6 @@ from torch import Tensor, nn
 
 from jetrl_trainer.quant._dispatch import act_quant_fp8, decode_gemm_module
 from jetrl_trainer.quant.linear import QuantLinear
-from jetrl_trainer.quant.phase import current_phase
 from jetrl_trainer.quant.recipe import FP8Recipe
 from jetrl_trainer.quant.stats import record_gemm
 
@@ -94,7 +93,7 @@ class GroupedProjection:
 
     def _launch(self, x: Tensor) -> tuple | None:
         """(decode-GEMM module, the modules' FP8 recipes) where the group's launch can run on ``x``, else None."""
-        recipes = [m.recipes[current_phase()] for m in self.modules]
+        recipes = [m.recipes[m.phase] for m in self.modules]
         if not all(isinstance(r, FP8Recipe) for r in recipes) or len({r.scale_format for r in recipes}) != 1:
             return None
         module = decode_gemm_module(x.reshape(-1, x.shape[-1]), self.max_rows)
@@ -113,14 +112,13 @@ class GroupedProjection:
         module, recipes = launch
         pair = act_quant_fp8(x.reshape(-1, x.shape[-1]), recipes[0].scale_format)  # serves a fused producer's pair
         weights = [m.quantized_weight(r) for m, r in zip(self.modules, recipes)]
-        phase = current_phase()
-        for r in recipes:
-            record_gemm(phase, r.name)
+        for m, r in zip(self.modules, recipes):
+            record_gemm(m.phase, r.name)
         return module, pair, weights
 
     def input_scale_format(self) -> str | None:
-        """The FP8 scale format the group quantizes its input with in the active phase, or None."""
-        recipe = self.modules[0].recipes[current_phase()]
+        """The FP8 scale format the group quantizes its input with in its phase, or None."""
+        recipe = self.modules[0].recipes[self.modules[0].phase]
         return recipe.scale_format if isinstance(recipe, FP8Recipe) else None
 
 
