@@ -55,6 +55,7 @@ def build_trainer(precision: str, args, tokenizer, out: str, captured: bool = Fa
     trainer = JetGRPOTrainer(model.to(args.device), _reward, args=config, train_dataset=prompts,
                              processing_class=tokenizer)  # fmt: skip
     trainer.create_optimizer()
+    trainer._follow_optimizer()  # the weight-cache refresh, as the first training_step registers it
     trainer.current_gradient_accumulation_steps = 1  # set by Trainer's loop; one micro-batch per update here
     return trainer
 

@@ -39,7 +39,7 @@ def _layer():
 
 def _step(layer, hidden, pos_emb, grad):
     def fn():
-        invalidate_weight_caches()
+        invalidate_weight_caches(layer)
         for p in layer.parameters():
             p.grad = None
         hidden.grad = None
@@ -53,7 +53,7 @@ def _step(layer, hidden, pos_emb, grad):
 def _weight_memory(layer) -> dict:
     """Bytes of the FP8 weight cache of a freshly quantized layer (nothing cached yet) vs its BF16 weights."""
     bf16 = sum(m.weight.numel() * m.weight.element_size() for m in layer.modules() if isinstance(m, QuantLinear))
-    invalidate_weight_caches()
+    invalidate_weight_caches(layer)
     for m in layer.modules():
         if isinstance(m, QuantLinear):
             m._weight_cache = {}  # drop what the timing runs cached, so the allocation below is new

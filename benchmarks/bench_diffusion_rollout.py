@@ -40,7 +40,7 @@ import torch
 from _common import bench_ms, environment
 
 from jetrl_trainer.diffusion import LLaDAConfig, LLaDAModelLM, generate
-from jetrl_trainer.quant import QuantLinear, precision_phase, quantize_model
+from jetrl_trainer.quant import PrecisionPhases, QuantLinear, quantize_model
 
 VARIANTS = ("eager", "fused_swiglu", "prefix_cache")
 PRECISIONS = {"bf16": "train", "fp8": "rollout"}  # label -> precision phase of quantize_model(train=bf16, rollout=fp8)
@@ -74,7 +74,7 @@ def time_generate(model, ids, phase: str, sampling: dict, options: dict) -> tupl
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
-    with precision_phase(phase):
+    with PrecisionPhases(model).use(phase):
         out = generate(model, ids, None, **sampling, **options)
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
@@ -92,7 +92,7 @@ def gemm_ms_per_step(model, tokens: int) -> dict:
         for name in PROJECTIONS:
             linear = getattr(block, name)
             x = torch.randn(tokens, linear.in_features, device="cuda", dtype=torch.bfloat16)
-            with precision_phase(phase), torch.no_grad():
+            with PrecisionPhases(linear).use(phase), torch.no_grad():
                 total += bench_ms(lambda: linear(x))
         result[label] = round(total * layers, 2)
     result["fp8_speedup"] = round(result["bf16"] / result["fp8"], 3)

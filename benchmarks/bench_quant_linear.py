@@ -31,7 +31,7 @@ from jetrl_trainer.quant import QuantLinear, invalidate_weight_caches
 def _step(layer: nn.Module, x: torch.Tensor, dy: torch.Tensor, requantize: bool = False):
     def fn():
         if requantize:
-            invalidate_weight_caches()
+            invalidate_weight_caches(layer)
         layer.weight.grad = None
         x.grad = None
         layer(x).backward(dy)
@@ -147,7 +147,7 @@ def run_refresh() -> dict:
         step()  # fills both caches
 
         def refresh(layer=layer):
-            invalidate_weight_caches()
+            invalidate_weight_caches(layer)
             layer.transposed_fp8_weight(recipe, layer.quantized_weight(recipe))
 
         row = {"layer": name, "N": n, "K": k}

@@ -34,7 +34,7 @@ from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
 from jetrl_trainer.kernels import available_gemm_backends, use_gemm_backend
 from jetrl_trainer.kernels.settings import DecodeGemmSettings
-from jetrl_trainer.quant import QuantLinear, precision_phase, quantize_model
+from jetrl_trainer.quant import PrecisionPhases, QuantLinear, quantize_model
 from jetrl_trainer.quant.recipe import FP8Recipe
 from jetrl_trainer.rollout import generate_with_logprobs, left_pad, position_ids_from_mask
 from jetrl_trainer.rollout.engine import DecodeEngine
@@ -144,7 +144,7 @@ def mismatch(model, ps, completions, logprobs, rows: int = 8) -> float:
     full_mask = torch.cat([mask, torch.ones_like(comp)], 1).cuda()
     set_train_recipe(model, "fp8")  # the unified flow: train phase FP8 too
     positions = position_ids_from_mask(full_mask)  # live tokens from 0, as the trainer numbers a padded row
-    with torch.no_grad(), precision_phase("train"):
+    with torch.no_grad(), PrecisionPhases(model).train():
         logits = model(input_ids=full, attention_mask=full_mask, position_ids=positions,
                        logits_to_keep=comp.shape[1] + 1).logits[:, :-1]  # fmt: skip
         lp = torch.log_softmax(logits.float(), -1).gather(-1, comp.cuda()[..., None])[..., 0]
@@ -263,7 +263,7 @@ def run_case(
     runs += [("engine", "fp8", "fp8")] if kv_fp8 else []  # + an FP8 KV cache
     for backend, precision, *kv in runs:
         phase = "rollout" if precision == "fp8" else "train"
-        with torch.no_grad(), precision_phase(phase):
+        with torch.no_grad(), PrecisionPhases(model).use(phase):
             if backend.startswith("engine"):
                 kept = backend == "engine_kept"
                 engine = new_engine(model, kv_cache_dtype=kv[0] if kv else "auto", max_batch_size=batch, keep_state=kept)
@@ -332,8 +332,8 @@ def profile_step(model, batch: int, new: int, precisions: tuple[str, ...] = PROF
     for name in precisions:
         precision = name.removesuffix("_cumsum").removesuffix("_flash64")
         forced = use_gemm_backend(general) if precision == "fp8_general" else contextlib.nullcontext()
-        with torch.no_grad(), precision_phase("train" if precision.startswith("bf16") else "rollout"), forced, \
-                sampler_draw(name.endswith("_cumsum")):  # fmt: skip
+        phase = "train" if precision.startswith("bf16") else "rollout"
+        with torch.no_grad(), PrecisionPhases(model).use(phase), forced, sampler_draw(name.endswith("_cumsum")):
             engine = DecodeEngine(model)
             if "_flash64" in name:
                 engine.attention_options.update(VARIANTS["flash64"]["attention"])

@@ -28,7 +28,7 @@ from bench_rollout import build_model, mismatch
 from transformers import GenerationConfig
 
 import jetrl_trainer.rollout.engine.engine as engine_module
-from jetrl_trainer.quant import precision_phase
+from jetrl_trainer.quant import PrecisionPhases
 from jetrl_trainer.rollout import generate_with_logprobs
 from jetrl_trainer.rollout.engine import DecodeEngine
 
@@ -173,7 +173,7 @@ def measure(model, ps, config, spec, args, backend) -> dict:
     """Mean |Δlogp| of one variant over ``args.seeds`` rollouts (and of the first token alone)."""
     values, first = [], []
     for seed in range((spec or {}).get("seeds", args.seeds)):
-        with torch.no_grad(), precision_phase("rollout"), backend():
+        with torch.no_grad(), PrecisionPhases(model).rollout(), backend():
             if spec is None:
                 torch.manual_seed(seed)
                 ids, lps = generate_with_logprobs(model, ps, config, pad_token_id=0, eos_token_ids=[-1])

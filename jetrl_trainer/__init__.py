@@ -11,8 +11,8 @@ from typing import Any
 __version__ = "0.1.0"
 
 _LAZY = {
-    "precision_phase": "jetrl_trainer.quant.phase",
-    "current_phase": "jetrl_trainer.quant.phase",
+    "PrecisionPhases": "jetrl_trainer.quant.phase",
+    "WeightCacheRefresh": "jetrl_trainer.quant.refresh",
     "quantize_model": "jetrl_trainer.quant.convert",
     "dequantize_model": "jetrl_trainer.quant.convert",
     "JetGRPOConfig": "jetrl_trainer.config",

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from jetrl_trainer.quant.phase import current_phase
+from jetrl_trainer.quant.phase import PrecisionPhases
 
 __all__ = ["CompiledBackbone", "compile_unavailable_reason"]
 
@@ -63,7 +63,7 @@ class CompiledBackbone:
 
     def applies_to(self, model: nn.Module) -> bool:
         """The policy (not a reference model), in the train phase (the one the graph was traced in)."""
-        return _base_model(model) is self.base and current_phase() == "train"
+        return _base_model(model) is self.base and PrecisionPhases(self.base).phase == "train"
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:

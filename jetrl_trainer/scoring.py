@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from transformers import GenerationConfig
 
 from jetrl_trainer.compiled_forward import CompiledBackbone
-from jetrl_trainer.quant import precision_phase
+from jetrl_trainer.quant import PrecisionPhases
 from jetrl_trainer.rollout import position_ids_from_mask, processed_logprobs
 
 __all__ = ["AutoregressiveScorer", "PolicyScorer", "completion_inputs", "generation_positions"]
@@ -92,9 +92,9 @@ class PolicyScorer(ABC):
         """
 
     def logps(self, model: nn.Module, batch: dict[str, Any], phase: str, *, batch_size: int) -> Tensor:
-        """Log-probs ``(B, K, T)`` of the batch's completion tokens in ``phase``'s precision, no grad."""
+        """Log-probs ``(B, K, T)`` of the batch's completion tokens with ``model`` in ``phase``, no grad."""
         input_ids, attention_mask, T = completion_inputs(batch)
-        with torch.no_grad(), precision_phase(phase):
+        with torch.no_grad(), PrecisionPhases(model).use(phase):
             logps, _, _ = self.token_logps(
                 model, input_ids, attention_mask, T, self.slices_of(batch), batch_size=batch_size
             )
@@ -150,7 +150,7 @@ class AutoregressiveScorer(PolicyScorer):
     def rollout_logps(self, model: nn.Module, batch: dict[str, Any], *, batch_size: int) -> Tensor:
         input_ids, attention_mask, T = completion_inputs(batch)
         rows = []
-        with precision_phase("rollout"), self._autocast(), generation_positions(model):
+        with PrecisionPhases(model).rollout(), self._autocast(), generation_positions(model):
             for start in range(0, input_ids.size(0), batch_size):
                 chunk = slice(start, start + batch_size)
                 # Position p predicts token p + 1: keep the T logits that predict the completion.

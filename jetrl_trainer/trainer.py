@@ -7,12 +7,13 @@ inner iteration and mask seed for a diffusion LM). A LLaDA model is a different 
 different class.
 
 ```
-prompts ─► backend.generate, in precision_phase("rollout")  ─► completion ids + sampling log-probs
+prompts ─► backend.generate, in precision_phases.rollout()  ─► completion ids + sampling log-probs
         ─► rewards ─► group advantages                                                     (TRL)
-        ─► old log-probs: scorer, precision_phase("train"), no grad
+        ─► old log-probs: scorer, train phase, no grad
            (sampling log-probs too, in the rollout phase, when the backend recorded none)
         ─► per slice: corrector(old, sampling, mask, advantages) ─► weights [B, T] + mismatch sums
         ─► TRL's per-token surrogate × weights ─► backward ─► guarded optimizer step
+        ─► weight_cache_refresh: the policy re-quantizes its weights on its next forward
 ```
 
 How this departs from TRL 1.16's `GRPOTrainer`:
@@ -63,7 +64,7 @@ from jetrl_trainer.correctors import get_corrector, merge_sums, metrics_from_sum
 from jetrl_trainer.diffusion import is_diffusion_model
 from jetrl_trainer.diffusion.lora import check_lora_targets, resolve_lora_preset
 from jetrl_trainer.hub import update_model_card
-from jetrl_trainer.quant import precision_phase, quantize_model
+from jetrl_trainer.quant import PrecisionPhases, WeightCacheRefresh, quantize_model
 from jetrl_trainer.rollout import Rollout, VLLMSampling
 
 __all__ = ["JetGRPOTrainer"]
@@ -85,6 +86,16 @@ class JetGRPOTrainer(GRPOTrainer):
     ``_get_per_token_logps_and_entropies``, ``_compute_loss``, ``_calculate_rewards``, ``train``,
     ``training_step``, ``create_optimizer``, ``log``, ``_get_output_dir``, ``_save_checkpoint``,
     ``_push_from_checkpoint``, ``_save`` and ``create_model_card``; everything else is inherited.
+
+    Two objects it owns carry the state that the precision flow switches (`jetrl_trainer.quant`):
+
+    * ``precision_phases``, a ``PrecisionPhases`` over the policy: the rollout runs inside its
+      ``rollout()`` block, everything else in the training phase its ``QuantLinear``s start in;
+    * ``weight_cache_refresh``, a ``WeightCacheRefresh`` registered on the optimizer that updates the
+      weights (under accelerate's and DeepSpeed's wrappers), so that every optimizer step makes the
+      policy re-quantize its weights once. It is registered at the first ``training_step``, when
+      the optimizer is final (a DeepSpeed JSON optimizer included); a reference model that TRL
+      syncs from the policy (``sync_ref_model``) gets one too. ``None`` before training.
 
     Not supported: FP8 rollouts in vLLM and vLLM server mode on CPU (refused by the config),
     multimodal prompts; tools and environments with a diffusion LM.
@@ -121,6 +132,9 @@ class JetGRPOTrainer(GRPOTrainer):
         params = args.corrector_params() if isinstance(args.corrector, str) else {}
         self.corrector = get_corrector(args.corrector, **params)
         self._quantize_models()
+        self.precision_phases = PrecisionPhases(self.model)
+        self.weight_cache_refresh: WeightCacheRefresh | None = None  # see _follow_optimizer
+        self._ref_cache_refresh: WeightCacheRefresh | None = None
         self.rollout_backend, self.rollout_sampling = build_rollout_backend(self, diffusion=diffusion)
         self.policy_scorer = build_policy_scorer(
             self, diffusion=diffusion, trl_token_logps=super()._get_per_token_logps_and_entropies
@@ -167,7 +181,7 @@ class JetGRPOTrainer(GRPOTrainer):
             self._note_logprob_source(rollout)
             return rollout.completion_ids, rollout.logprobs
         with (
-            precision_phase("rollout"),
+            self.precision_phases.rollout(),
             unwrap_model_for_generation(
                 self.model_wrapped,
                 self.accelerator,
@@ -294,9 +308,25 @@ class JetGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------ non-finite guard
 
     def training_step(self, model, inputs, num_items_in_batch=None):
+        self._follow_optimizer()
         loss = super().training_step(model, inputs, num_items_in_batch)
         self._guard.observe_loss(loss)
         return loss
+
+    def _follow_optimizer(self) -> None:
+        """Register the weight-cache refresh on the optimizer that steps (again if it was replaced).
+
+        Here rather than in ``create_optimizer``: by the first training step accelerate and DeepSpeed
+        have wrapped the optimizer, or built their own from the DeepSpeed JSON."""
+        if self.weight_cache_refresh is not None and self.weight_cache_refresh.follows(self.optimizer):
+            return
+        for refresh in (self.weight_cache_refresh, self._ref_cache_refresh):
+            if refresh is not None:
+                refresh.remove()
+        self.weight_cache_refresh = WeightCacheRefresh(self.model, self.optimizer)
+        synced_ref = self.ref_model is not None and self.args.sync_ref_model
+        # TRL's SyncRefModelCallback writes the reference through .data after the step: no _version bump.
+        self._ref_cache_refresh = WeightCacheRefresh(self.ref_model, self.optimizer) if synced_ref else None
 
     def create_optimizer(self, *args: Any, **kwargs: Any):
         optimizer = super().create_optimizer(*args, **kwargs)

@@ -44,7 +44,10 @@ def triton_available() -> bool:
 def triton_enabled() -> bool:
     """Triton works and ``JETRL_DISABLE_TRITON`` is not ``"1"``: the fast quant kernels may run.
 
-    Read once; ``jetrl_trainer.kernels.reset_kernel_caches()`` re-reads the variable.
+    Read once; ``jetrl_trainer.kernels.reset_kernel_caches()`` re-reads the variable. Its readers
+    (documented in docs/trainer.md): the quantization kernels, the fused RMSNorm / SwiGLU
+    quantization, the decode GEMM and the engine's sampler; the ``triton`` GEMM backend and the
+    engine's graphed RoPE / attention kernels ask :func:`triton_available` instead.
     """
     return triton_available() and os.environ.get(_DISABLE_ENV) != "1"
 

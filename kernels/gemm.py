@@ -16,6 +16,13 @@ against a real DeepGEMM) runs only when forced. Forcing one: the ``backend=`` ar
 ``JETRL_GEMM_BACKEND=deepgemm``). A forced backend that is unknown or unavailable is a
 ``ValueError`` naming the available ones; a forced backend's ``NotImplementedError`` propagates.
 
+What each way of forcing reaches. ``JETRL_GEMM_BACKEND`` is read once per process, at the first
+GEMM, and picks the backend of this front door only: the training forward and backward, and
+rollout GEMMs above decode size. The split-K decode GEMM of rollouts (``quant/_dispatch.py``) is
+not a backend here and keeps running, so the variable never changes a rollout's summation order.
+:func:`use_gemm_backend` is the scoped switch for tests and benchmarks: inside its block every FP8
+linear of this thread goes through the forced backend, the decode GEMM stepping aside.
+
 Per-call cost: the priority order, each backend's availability per device, the automatic chain
 per device and ``JETRL_GEMM_BACKEND`` are resolved once, not per GEMM. Registering a backend
 resets them; so does ``jetrl_trainer.kernels.reset_kernel_caches()`` (after changing the env
@@ -168,7 +175,7 @@ def use_gemm_backend(name: str) -> Iterator[str]:
 
 
 def forced_gemm_backend() -> Union[str, None]:
-    """The backend forced by :func:`use_gemm_backend` in this thread, if any.
+    """The backend forced by :func:`use_gemm_backend` in this thread, if any (the env variable aside).
 
     Autograd runs CUDA backward passes on its own thread, so an autograd Function records this in
     its forward and passes it back explicitly to the GEMMs of its backward.
@@ -177,10 +184,8 @@ def forced_gemm_backend() -> Union[str, None]:
 
 
 def gemm_backend_forced() -> Union[str, None]:
-    """The backend forced for this thread by :func:`use_gemm_backend` or ``JETRL_GEMM_BACKEND``, if any.
-
-    Code with a fast path of its own (the decode GEMM) steps aside when a backend is forced.
-    """
+    """The backend :func:`fp8_gemm_nt` is forced to in this thread (by :func:`use_gemm_backend` or
+    ``JETRL_GEMM_BACKEND``), if any; reading it also reads the env variable now (once)."""
     return getattr(_forced, "name", None) or _env_forced()
 
 

@@ -1,4 +1,10 @@
-"""FP8 / NVFP4 quantization: the numerics contract, QuantLinear and model conversion."""
+"""FP8 / NVFP4 quantization: the numerics contract, QuantLinear and model conversion.
+
+Two objects carry the state of a converted model, and whoever trains it owns them (``JetGRPOTrainer``
+does): :class:`PrecisionPhases` switches the model between its ``train`` and ``rollout`` recipes,
+and :class:`WeightCacheRefresh` makes every optimizer step re-quantize the weights. Nothing is
+switched or registered at import.
+"""
 
 from jetrl_trainer.quant.convert import dequantize_model, quantize_model
 from jetrl_trainer.quant.fp8 import (
@@ -12,8 +18,9 @@ from jetrl_trainer.quant.fp8 import (
 )
 from jetrl_trainer.quant.linear import QuantLinear, invalidate_weight_caches
 from jetrl_trainer.quant.nvfp4 import E2M1_GRID, NVFP4Tensor, dequantize_nvfp4, quantize_nvfp4, round_to_e2m1
-from jetrl_trainer.quant.phase import PHASES, current_phase, precision_phase
+from jetrl_trainer.quant.phase import PHASES, PrecisionPhases
 from jetrl_trainer.quant.recipe import BF16Recipe, FP8Recipe, NVFP4Recipe, Recipe, get_recipe, phase_recipes
+from jetrl_trainer.quant.refresh import WeightCacheRefresh
 from jetrl_trainer.quant.stats import count_quant_gemms
 
 __all__ = [
@@ -25,10 +32,11 @@ __all__ = [
     "FP8Recipe",
     "NVFP4Recipe",
     "NVFP4Tensor",
+    "PrecisionPhases",
     "QuantLinear",
     "Recipe",
+    "WeightCacheRefresh",
     "count_quant_gemms",
-    "current_phase",
     "dequantize_fp8_blocks",
     "dequantize_fp8_groups",
     "dequantize_model",
@@ -37,7 +45,6 @@ __all__ = [
     "get_recipe",
     "invalidate_weight_caches",
     "phase_recipes",
-    "precision_phase",
     "quantize_fp8_blocks",
     "quantize_fp8_groups",
     "quantize_model",

@@ -56,9 +56,10 @@ def act_quant_fp8(
 
 def decode_gemm_module(x2d: torch.Tensor, max_m: int) -> Optional[ModuleType]:
     """``kernels/triton_decode_gemm`` when it should run on the activation ``x2d [M, K]``: on CUDA
-    with the kernel, 1 <= M <= ``max_m`` (a recipe's ``decode_gemm.max_m``), and no GEMM backend
-    forced; else None."""
-    if not x2d.is_cuda or not kernels.triton_enabled() or kernels.gemm_backend_forced() is not None:
+    with the kernel, 1 <= M <= ``max_m`` (a recipe's ``decode_gemm.max_m``), and outside a
+    ``use_gemm_backend`` block; else None. ``JETRL_GEMM_BACKEND`` picks the general path's backend
+    only: it does not turn this kernel off (a rollout's summation order stays that of the kernel)."""
+    if not x2d.is_cuda or not kernels.triton_enabled() or kernels.forced_gemm_backend() is not None:
         return None
     module = kernels.optional_module("triton_decode_gemm")
     if module is None or not 0 < x2d.shape[0] <= max_m:
@@ -72,9 +73,9 @@ def decode_linear_fp8(
 ) -> Optional[torch.Tensor]:  # fmt: skip
     """A decode-sized FP8 linear (M <= ``recipe.decode_gemm.max_m`` rows) through the split-K decode
     kernel, launched with ``recipe.decode_gemm``, or None where the general path (act quant +
-    ``fp8_gemm_nt``) must run: off CUDA, without the kernel, for larger M, or when a GEMM backend is
-    forced. The activation's quantization is the one a fused producer offered, else the act-quant
-    kernel's (the same bits)."""
+    ``fp8_gemm_nt``) must run: off CUDA, without the kernel, for larger M, or inside a
+    ``use_gemm_backend`` block. The activation's quantization is the one a fused producer offered,
+    else the act-quant kernel's (the same bits)."""
     module = decode_gemm_module(x2d, recipe.decode_gemm.max_m)
     if module is None:
         return None

@@ -1,19 +1,26 @@
-"""The hand-off of an activation's FP8 quantization from the op that produced it to its consumers.
+"""An activation that carries its own FP8 quantization, from the op that produced it to its consumers.
 
-A fused kernel (RMSNorm + quant, SwiGLU + quant) writes an activation *and* its 1×128 FP8
-quantization in one pass. It offers the pair here; ``quant/_dispatch.act_quant_fp8`` takes it
-instead of quantizing again. Entries are keyed by the activation's storage and version and live
-only as long as the activation, so a stale or mutated tensor is never served.
+A fused kernel (RMSNorm + quant, SwiGLU + quant, the decode attention's output quant) writes an
+activation *and* its 1×128 FP8 quantization in one pass. :func:`offer_prequantized` stores the pair
+on the activation itself; ``quant/_dispatch.act_quant_fp8`` asks :func:`take_prequantized` before
+quantizing, and serves the pair instead. Nothing is global: the pair lives exactly as long as the
+activation, and no other tensor can see it.
 
-Under ``torch.compile`` both ends are no-ops: the table is a side effect keyed by data pointers,
-which dynamo cannot trace, so a traced consumer quantizes again (the same bits, and inside the
-graph the compiler may fuse the two).
+The pair is stored on the tensor that owns the activation's memory (the producer's output, or the
+base it is a view of), so the 2-D view a consumer flattens it to (``x.reshape(-1, K)``) finds it
+through ``._base``. It is served only to a view of that whole activation (same first element, same
+size, same row length, contiguous), while the activation's version counter is unchanged (an in-place
+write drops it) and for the scale format it was made with. Two cases carry nothing, and the consumer
+quantizes again: inference tensors (``torch.inference_mode``), which have no version counter to
+notice an in-place write by, and tracing under ``torch.compile`` (an attribute set on a tensor is a
+side effect; inside the graph the compiler may fuse the two ops itself). Either way the bits are
+those of the hand-off: the kernels' ``(q, s)`` equal ``quantize_fp8_groups`` of their output
+(kernel tests check).
 """
 
 from __future__ import annotations
 
-import threading
-import weakref
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -21,34 +28,38 @@ import torch
 __all__ = ["offer_prequantized", "take_prequantized"]
 
 Pair = tuple[torch.Tensor, torch.Tensor]
-_local = threading.local()
+_ATTRIBUTE = "_jetrl_fp8_quantization"
 
 
-def _table() -> dict:
-    if not hasattr(_local, "table"):
-        _local.table = {}
-    return _local.table
+@dataclass(frozen=True)
+class _Carried:
+    data_ptr: int
+    numel: int
+    row: int  # K: the length of the quantized rows
+    version: int
+    scale_format: str
+    pair: Pair
+
+
+def _owner(t: torch.Tensor) -> torch.Tensor:
+    return t._base if t._base is not None else t
 
 
 def offer_prequantized(y: torch.Tensor, q: torch.Tensor, s: torch.Tensor, scale_format: str) -> None:
-    """Record that ``(q, s)`` is the 1×128 FP8 quantization of ``y`` (as ``[-1, K]`` rows)."""
-    if torch.compiler.is_compiling():
+    """Store on ``y`` that ``(q, s)`` is its 1×128 FP8 quantization (``y`` as ``[-1, K]`` rows)."""
+    if torch.compiler.is_compiling() or y.is_inference():
         return
-    table, key = _table(), y.data_ptr()
-    # The entry dies with y: its storage can be reused only after y is gone.
-    ref = weakref.ref(y, lambda _r, key=key, table=table: table.pop(key, None))
-    table[key] = (ref, y._version, y.shape[-1], y.numel(), scale_format, (q, s))
+    carried = _Carried(y.data_ptr(), y.numel(), y.shape[-1], y._version, scale_format, (q, s))
+    setattr(_owner(y), _ATTRIBUTE, carried)
 
 
 def take_prequantized(x2d: torch.Tensor, scale_format: str) -> Optional[Pair]:
-    """The pair offered for the activation ``x2d`` views, or None (then quantize as usual)."""
-    if torch.compiler.is_compiling():
+    """The pair offered for the activation ``x2d [M, K]`` is (a view of), or None: quantize as usual."""
+    if torch.compiler.is_compiling() or x2d.is_inference() or x2d.dim() != 2 or not x2d.is_contiguous():
         return None
-    entry = _table().get(x2d.data_ptr()) if x2d.dim() == 2 and x2d.is_contiguous() else None
-    if entry is None:
+    carried: Optional[_Carried] = getattr(_owner(x2d), _ATTRIBUTE, None)
+    if carried is None or carried.scale_format != scale_format or carried.version != x2d._version:
         return None
-    ref, version, k, numel, fmt, pair = entry
-    y = ref()
-    if y is None or y._version != version or fmt != scale_format or x2d.shape[1] != k or x2d.numel() != numel:
+    if (carried.data_ptr, carried.numel, carried.row) != (x2d.data_ptr(), x2d.numel(), x2d.shape[1]):
         return None
-    return pair
+    return carried.pair

@@ -10,10 +10,11 @@
   :class:`FusedSwiGLUMLP` holding the same three sub-modules (``state_dict`` keys unchanged).
 
 On CUDA the fused kernels (``kernels/triton_norm.py``, ``kernels/triton_swiglu.py``) write the
-activation *and* its 1×128 FP8 quantization in one pass; the pair is offered to the next
-``QuantLinear`` through :func:`take_prequantized` (keyed by the output tensor's storage and
-version, held only while that tensor lives). The hand-off is bit-exact by construction — the
-kernels' ``(q, s)`` equal ``quantize_fp8_groups`` of their output — so it changes speed, not values.
+activation *and* its 1×128 FP8 quantization in one pass; the output carries the pair to the next
+``QuantLinear`` (``quant/_handoff.py``: stored on the output tensor, checked against its version,
+gone with it). The hand-off is bit-exact by construction — the kernels' ``(q, s)`` equal
+``quantize_fp8_groups`` of their output — so it changes speed, not values. Whether and in which
+scale format to quantize follows the consumer's recipe in the consumer's own precision phase.
 
 Departures from the modules they replace:
 * RMSNorm is ``quant.reference.rmsnorm_reference`` (pairwise-tree mean of squares and
@@ -26,7 +27,7 @@ Falls back cleanly: layers of other shapes (LayerNorm, GELU MLPs, norms with a b
 inline SwiGLU) are left untouched, and off CUDA, without Triton, or when a GPU kernel module
 failed to import (``kernels.optional_module``) the pure-torch references run.
 
-The consumer side is ``quant/_dispatch.act_quant_fp8``: it serves an offered pair before
+The consumer side is ``quant/_dispatch.act_quant_fp8``: it serves a carried pair before
 quantizing anything itself.
 """
 
@@ -41,9 +42,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from jetrl_trainer import kernels
-from jetrl_trainer.quant._handoff import offer_prequantized, take_prequantized
+from jetrl_trainer.quant._handoff import offer_prequantized
 from jetrl_trainer.quant.linear import QuantLinear
-from jetrl_trainer.quant.phase import current_phase
 from jetrl_trainer.quant.recipe import FP8Recipe
 from jetrl_trainer.quant.reference import rmsnorm_reference, swiglu_reference
 
@@ -51,9 +51,7 @@ __all__ = [
     "FusedRMSNorm",
     "FusedSwiGLUMLP",
     "fuse_norm_and_swiglu",
-    "offer_prequantized",
     "should_fuse",
-    "take_prequantized",
     "unfuse_norm_and_swiglu",
 ]
 
@@ -72,9 +70,9 @@ def _gpu(module: str) -> ModuleType:
 
 
 def _fp8_format(consumer: Optional[nn.Module]) -> Optional[str]:
-    """The scale format the consuming QuantLinear uses in the active phase (None: not FP8)."""
+    """The scale format the consuming QuantLinear uses in its phase (None: not FP8)."""
     if isinstance(consumer, QuantLinear):
-        recipe = consumer.recipes[current_phase()]
+        recipe = consumer.recipes[consumer.phase]
         if isinstance(recipe, FP8Recipe):
             return recipe.scale_format
     return None
@@ -254,7 +252,7 @@ def fuse_norm_and_swiglu(model: nn.Module) -> nn.Module:
     """Swap supported RMSNorms and SwiGLU MLPs for their fused versions, in place; returns ``model``.
 
     Idempotent. Call after ``quantize_model`` (the fused modules look at the consuming
-    ``QuantLinear``'s recipe in the active phase to decide whether to quantize and in which format).
+    ``QuantLinear``'s recipe in its phase to decide whether to quantize and in which format).
     """
     for parent in list(model.modules()):
         head_norms = tuple((name, None) for name in _HEAD_NORMS) if hasattr(parent, "q_proj") else ()

@@ -1,10 +1,11 @@
-"""``QuantLinear``: an ``nn.Linear`` whose GEMMs run in the recipe of the active precision phase.
+"""``QuantLinear``: an ``nn.Linear`` whose GEMMs run in the recipe of its precision phase.
 
-One module serves both phases of a GRPO step (DESIGN §3–4): ``forward`` reads
-:func:`~jetrl_trainer.quant.phase.current_phase` and runs that phase's recipe. Equal recipes give
-the unified precision flow (rollout = a subgraph of the training forward); ``train=bf16,
-rollout=fp8`` gives the common baseline. No weights are copied: ``.weight`` / ``.bias`` are the
-original Parameters, ``state_dict()`` is unchanged.
+One module serves both phases of a GRPO step (docs/architecture.md): ``forward`` runs the recipe
+of the module's own ``.phase``, ``"train"`` until a
+:class:`~jetrl_trainer.quant.phase.PrecisionPhases` block switches it. Equal recipes give the
+unified precision flow (rollout = a subgraph of the training forward); ``train=bf16, rollout=fp8``
+gives the common baseline. No weights are copied: ``.weight`` / ``.bias`` are the original
+Parameters, ``state_dict()`` is unchanged.
 
 One ``torch.autograd.Function`` per quantized op:
 
@@ -16,12 +17,15 @@ One ``torch.autograd.Function`` per quantized op:
 
 Weight quantization is cached per parameter version: the rollout and the training forward of one
 optimizer step use bit-identical quantized weights, recomputed once after the weights change. The
-cache key combines ``param._version``, ``data_ptr`` and a global generation bumped after every
-``torch.optim`` step (fused optimizers update parameters without bumping ``_version``). Code that
-mutates ``param.data`` directly (e.g. merging LoRA weights) should call
-:func:`invalidate_weight_caches`. A refresh writes into the cached tensors in place (same shapes),
-so a CUDA graph captured on them (the decode engine's) replays the updated weights; on CUDA the
-quant kernels write there directly (the CPU reference computes fresh tensors, copied over them).
+cache key combines ``param._version``, ``data_ptr`` and the module's own generation, which only
+:func:`invalidate_weight_caches` bumps. An optimizer step does not always bump ``_version`` (fused
+optimizers; DeepSpeed writes back through ``.data``), so whoever steps the optimizer registers
+:class:`~jetrl_trainer.quant.refresh.WeightCacheRefresh` on it (``JetGRPOTrainer`` does), and code
+that mutates ``param.data`` directly (e.g. merging LoRA weights) calls
+:func:`invalidate_weight_caches` after. A refresh writes into the cached tensors in place (same
+shapes), so a CUDA graph captured on them (the decode engine's) replays the updated weights; on
+CUDA the quant kernels write there directly (the CPU reference computes fresh tensors, copied over
+them).
 
 DGrad's operand, the FP8 weight transposed with its block-scale grid (exact: no re-quantization),
 is cached the same way (``cache_transposed_weight``, on by default): one transpose per optimizer
@@ -29,11 +33,12 @@ step instead of one per backward, for about as many bytes again as the FP8 weigh
 BF16 weight), held only once a training forward ran. It is off under ZeRO-3 (below), where it would
 double the unsharded copies, and inside ``torch.compile`` (transposed in the graph instead).
 
-Under DeepSpeed ZeRO-3 (a weight with ``ds_id``) the key is the step generation and ``ds_id`` only:
+Under DeepSpeed ZeRO-3 (a weight with ``ds_id``) the key is the generation and ``ds_id`` only:
 every forward sees a freshly all-gathered ``.data`` (new storage, no ``_version`` bump) and the
-partitions change only in the optimizer step, whose ``torch.optim`` step bumps the generation. So a
-gathered weight is quantized once per optimizer step, at the price of keeping every layer's
-quantized weight (FP8: about half the BF16 bytes, unsharded) on each rank between forwards.
+partitions change only in the optimizer step, after which ``WeightCacheRefresh`` bumps the
+generation (without one, the cache is never refreshed under ZeRO-3). So a gathered weight is
+quantized once per optimizer step, at the price of keeping every layer's quantized weight (FP8:
+about half the BF16 bytes, unsharded) on each rank between forwards.
 """
 
 from __future__ import annotations
@@ -44,7 +49,6 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from jetrl_trainer._choices import FLOAT_DTYPES, check_choice
 from jetrl_trainer.kernels import fp8_gemm_nt, forced_gemm_backend
@@ -56,26 +60,22 @@ from jetrl_trainer.quant._dispatch import (
     weight_quant_fp8,
 )
 from jetrl_trainer.quant.nvfp4 import NVFP4Tensor, dequantize_nvfp4, quantize_nvfp4
-from jetrl_trainer.quant.phase import PHASES, current_phase
+from jetrl_trainer.quant.phase import PHASES, PhaseAware
 from jetrl_trainer.quant.recipe import FP8Recipe, NVFP4Recipe, Recipe, RecipeLike, get_recipe
 from jetrl_trainer.quant.stats import record_gemm
 
 __all__ = ["QuantLinear", "invalidate_weight_caches"]
 
-_generation = 0
 
 
-def invalidate_weight_caches() -> None:
-    """Force every ``QuantLinear`` to re-quantize its weight on the next forward."""
-    global _generation
-    _generation += 1
-
-
-def _after_optimizer_step(optimizer, args, kwargs) -> None:
-    invalidate_weight_caches()
-
-
-register_optimizer_step_post_hook(_after_optimizer_step)
+def invalidate_weight_caches(model: nn.Module) -> None:
+    """Mark the quantized weights of every ``QuantLinear`` in ``model`` out of date: each re-quantizes
+    (into its cached tensors, in place) on its next forward. Call it after changing weights in a way
+    that bumps no ``_version`` (``param.data`` edits, a LoRA merge); for optimizer steps register
+    :class:`~jetrl_trainer.quant.refresh.WeightCacheRefresh` instead."""
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            module._weight_generation += 1
 
 
 def _needs_autograd(*tensors: Optional[torch.Tensor]) -> bool:
@@ -250,13 +250,18 @@ def _cached(cache: dict, key: tuple, state: Optional[tuple], compute) -> tuple[t
     return tensors, 1
 
 
-class QuantLinear(nn.Linear):
+class QuantLinear(PhaseAware, nn.Linear):
     """``nn.Linear`` with one recipe per precision phase (``.recipes = {"train": …, "rollout": …}``).
 
-    Build it with :meth:`from_linear` (shares the Parameters) or through ``quantize_model``. Under a
+    Build it with :meth:`from_linear` (shares the Parameters) or through ``quantize_model``. It runs
+    the recipe of its ``.phase``, ``"train"`` until a ``PrecisionPhases`` block switches it. Under a
     ``bf16`` recipe ``forward`` is exactly ``F.linear(x, weight, bias)``. Otherwise: input
     ``[*, K]`` in FP32/BF16/FP16, output in the input's dtype (the autocast dtype under autocast),
     bias added in FP32 after the GEMM, gradients in the dtype of what they belong to.
+
+    Training it outside ``JetGRPOTrainer``: register ``WeightCacheRefresh(model, optimizer)``
+    (``jetrl_trainer.quant``) once. Without it, after an optimizer step that bumps no ``_version``
+    (fused optimizers, DeepSpeed), forwards keep using the weight quantized before the step.
 
     ``weight_quantizations`` counts how many times this layer quantized its weight (cache misses);
     ``weight_transposes`` how many times it refreshed the cached transposed FP8 weight of dgrad.
@@ -296,6 +301,7 @@ class QuantLinear(nn.Linear):
     def _reset_counters(self) -> None:
         self._weight_cache, self._transposed_cache = {}, {}
         self.weight_quantizations = self.weight_transposes = 0
+        self._weight_generation = 0  # bumped by invalidate_weight_caches
 
     def set_recipes(self, train: Optional[RecipeLike] = None, rollout: Optional[RecipeLike] = None) -> None:
         """Replace the recipe of one or both phases (names or Recipe instances); clears the weight cache."""
@@ -327,7 +333,8 @@ class QuantLinear(nn.Linear):
         return {**state, "_weight_cache": {}, "_transposed_cache": {}}
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, train={self.recipes['train']}, rollout={self.recipes['rollout']}"
+        recipes = f"train={self.recipes['train']}, rollout={self.recipes['rollout']}"
+        return f"{super().extra_repr()}, {recipes}, phase={self.phase}"
 
     # -- weight cache ---------------------------------------------------------------------------
 
@@ -335,12 +342,12 @@ class QuantLinear(nn.Linear):
         w = self.weight
         ds_id = getattr(w, "ds_id", None)
         if ds_id is not None:  # ZeRO-3: storage and data_ptr change at every gather; values only per step
-            return (_generation, "zero3", ds_id, w.dtype, w.device, tuple(getattr(w, "ds_shape", w.shape)))
+            return (self._weight_generation, "zero3", ds_id, w.dtype, w.device, tuple(getattr(w, "ds_shape", w.shape)))
         try:
             version = w._version
         except RuntimeError:  # an inference tensor has no version counter: never cache it
             return None
-        return (_generation, version, w.data_ptr(), w.dtype, w.device, tuple(w.shape))
+        return (self._weight_generation, version, w.data_ptr(), w.dtype, w.device, tuple(w.shape))
 
     def _quantize_weight(self, recipe: Recipe, out: Optional[tuple[torch.Tensor, ...]] = None) -> tuple[torch.Tensor, ...]:
         w = self.weight.detach()
@@ -395,9 +402,8 @@ class QuantLinear(nn.Linear):
     # -- forward --------------------------------------------------------------------------------
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        phase = current_phase()
-        recipe = self.recipes[phase]
-        record_gemm(phase, recipe.name)
+        recipe = self.recipes[self.phase]
+        record_gemm(self.phase, recipe.name)
         if not recipe.quantized:
             return F.linear(x, self.weight, self.bias)
         check_choice("QuantLinear input dtype", x.dtype, FLOAT_DTYPES)

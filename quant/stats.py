@@ -1,8 +1,9 @@
 """Counting which precision ran in which phase: proof for tests and run logs.
 
-Every ``QuantLinear.forward`` call records ``(phase, recipe_name)`` once (``"bf16"`` included), so a
-test can assert, e.g., that a baseline run did its rollout in FP8 and its training in BF16.
-Counters are process-wide (a rollout thread is counted too) and cost one list check when unused.
+Every ``QuantLinear.forward`` call records ``(phase, recipe_name)`` once (``"bf16"`` included), the
+phase being the module's own, so a test can assert, e.g., that a baseline run did its rollout in FP8
+and its training in BF16. Counting is switched on only by the :func:`count_quant_gemms` block;
+counters are process-wide (a rollout thread is counted too) and cost one list check when unused.
 """
 
 from __future__ import annotations

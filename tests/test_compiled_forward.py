@@ -14,7 +14,6 @@ import torch
 from _trainer_utils import make_args, make_trainer, tiny_model, train
 
 from jetrl_trainer.compiled_forward import CompiledBackbone, compile_unavailable_reason
-from jetrl_trainer.quant import precision_phase
 from jetrl_trainer.quant.testing import relative_error
 
 COMPILE = dict(compile_policy_forward=True, compile_backend="aot_eager", compile_length_multiple=16)
@@ -73,7 +72,7 @@ def test_only_the_policys_train_phase_forwards_are_compiled(tmp_path):
     trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, T)
     assert calls and "forward" not in backbone.__dict__  # restored: generate and the engine run the module's own
     calls.clear()
-    with precision_phase("rollout"):
+    with trainer.precision_phases.rollout():
         trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, T)
     other = make_trainer(tmp_path / "ref").model  # e.g. a reference model
     trainer._get_per_token_logps_and_entropies(other, ids, mask, T)

@@ -9,10 +9,10 @@ from torch import nn
 
 from jetrl_trainer.quant import (
     NVFP4Recipe,
+    PrecisionPhases,
     QuantLinear,
     count_quant_gemms,
     dequantize_model,
-    precision_phase,
     quantize_model,
 )
 
@@ -40,7 +40,7 @@ def ids():
 
 
 def _logits(model, ids, phase="train"):
-    with torch.no_grad(), precision_phase(phase):
+    with torch.no_grad(), PrecisionPhases(model).use(phase):
         return model(ids).logits
 
 

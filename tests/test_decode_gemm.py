@@ -12,8 +12,8 @@ import torch
 from jetrl_trainer import kernels
 from jetrl_trainer.kernels import triton_decode_gemm as dg
 from jetrl_trainer.kernels.settings import DecodeGemmSettings
-from jetrl_trainer.quant import QuantLinear, precision_phase
-from jetrl_trainer.quant._dispatch import decode_linear_fp8
+from jetrl_trainer.quant import PrecisionPhases, QuantLinear
+from jetrl_trainer.quant._dispatch import decode_gemm_module, decode_linear_fp8
 from jetrl_trainer.quant.fp8 import dequantize_fp8_blocks, dequantize_fp8_groups, quantize_fp8_blocks, quantize_fp8_groups
 from jetrl_trainer.quant.recipe import FP8Recipe
 from jetrl_trainer.quant.testing import relative_error
@@ -106,20 +106,27 @@ def test_balanced_plan_evens_the_sms_work_out():
                 assert _busiest_sm_groups(cfg, tiles, sms) <= _busiest_sm_groups(waves, tiles, sms), (m, widths, k, sms)
 
 
-def test_dispatch_steps_aside_off_cuda_and_when_a_backend_is_forced(monkeypatch):
+def test_dispatch_steps_aside_off_cuda_and_in_a_use_gemm_backend_block_only(monkeypatch):
     x = torch.randn(4, 256)
     w_q, w_s = quantize_fp8_blocks(torch.randn(128, 256))
     assert decode_linear_fp8(x, w_q, w_s, None, FP8Recipe(), torch.float32) is None  # CPU: the general path
-    assert kernels.gemm_backend_forced() is None
-    with kernels.use_gemm_backend("emulated"):
-        assert kernels.gemm_backend_forced() == "emulated"
+    # The rest of the rule on a stand-in for a CUDA activation and the kernel module.
+    kernel = type("DecodeGemm", (), {})
+    monkeypatch.setattr(kernels, "triton_enabled", lambda: True)
+    monkeypatch.setattr(kernels, "optional_module", lambda name: kernel if name == "triton_decode_gemm" else None)
+    decode_sized = type("CudaActivation", (), {"is_cuda": True, "shape": (4, 256)})()
+    assert decode_gemm_module(decode_sized, 64) is kernel
+    assert decode_gemm_module(decode_sized, 3) is None  # above the recipe's max_m
     monkeypatch.setenv("JETRL_GEMM_BACKEND", "emulated")
     kernels.reset_kernel_caches()
     try:
-        assert kernels.gemm_backend_forced() == "emulated"
+        assert kernels.gemm_backend_forced() == "emulated"  # the general path's backend...
+        assert decode_gemm_module(decode_sized, 64) is kernel  # ...and the rollout's decode GEMM stays on
     finally:
         monkeypatch.delenv("JETRL_GEMM_BACKEND")
         kernels.reset_kernel_caches()
+    with kernels.use_gemm_backend("emulated"):  # the scoped switch of tests and benchmarks: every GEMM
+        assert decode_gemm_module(decode_sized, 64) is None
 
 
 def test_the_kernel_refuses_cpu_tensors():
@@ -262,7 +269,7 @@ def test_a_rollout_phase_quantlinear_takes_the_kernel_at_decode_m_only(monkeypat
 
     def check(m):
         x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
-        with torch.no_grad(), precision_phase("rollout"):
+        with torch.no_grad(), PrecisionPhases(layer).rollout():
             y = layer(x)
             with kernels.use_gemm_backend(general):
                 reference = layer(x)
@@ -279,9 +286,18 @@ def test_a_rollout_phase_quantlinear_takes_the_kernel_at_decode_m_only(monkeypat
         check(m)
     assert calls[2:] == [(16, narrow)]
     x = torch.randn(8, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    with precision_phase("rollout"):
+    with PrecisionPhases(layer).rollout():
         layer(x).sum().backward()  # autograd keeps the general path (it saves X_q for the backward)
     assert len(calls) == 3 and x.grad is not None
+    monkeypatch.setenv("JETRL_GEMM_BACKEND", general)  # picks the general path's backend only
+    kernels.reset_kernel_caches()
+    try:
+        with torch.no_grad(), PrecisionPhases(layer).rollout():
+            layer(torch.randn(8, 4096, device="cuda", dtype=torch.bfloat16))
+    finally:
+        monkeypatch.delenv("JETRL_GEMM_BACKEND")
+        kernels.reset_kernel_caches()
+    assert len(calls) == 4 and calls[3] == (8, narrow)  # the decode GEMM still ran
 
 
 GROUPS = [(16, [4096, 1024, 1024], 4096), (64, [4096, 1024, 1024], 4096), (1, [12288, 12288], 4096),

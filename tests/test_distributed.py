@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from jetrl_trainer.correctors import merge_sums, metrics_from_sums
-from jetrl_trainer.quant import QuantLinear, precision_phase, quantize_fp8_blocks
+from jetrl_trainer.quant import PrecisionPhases, QuantLinear, WeightCacheRefresh, quantize_fp8_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "dist_worker.py"
@@ -289,17 +289,19 @@ def test_zero3_gathered_weight_is_quantized_once_per_optimizer_step():
     outputs = []
     for phase in ("rollout", "train", "train"):  # rollout, old log-probs, loss forward: one gather each
         sim.gather()
-        with precision_phase(phase), torch.no_grad():
+        with PrecisionPhases(layer).use(phase), torch.no_grad():
             outputs.append(layer(x))
         sim.release()
     assert layer.weight_quantizations == 1
     assert all(torch.equal(y, outputs[0]) for y in outputs)
     assert torch.equal(outputs[0], _reference(sim.full, x))
     # The optimizer updates the shard (ZeRO-3 writes the new values back through .data, no _version bump);
-    # its torch.optim step bumps the cache generation.
+    # the refresh registered on its torch.optim optimizer bumps the cache generation.
     shard = nn.Parameter(torch.zeros(3))
     shard.grad = torch.ones(3)
-    torch.optim.SGD([shard], lr=0.1).step()
+    optimizer = torch.optim.SGD([shard], lr=0.1)
+    WeightCacheRefresh(layer, optimizer)
+    optimizer.step()
     sim.full -= 0.05
     sim.gather()
     with torch.no_grad():

@@ -18,7 +18,7 @@ import torch
 from _trainer_utils import make_trainer, tokenizer, train
 from transformers import GenerationConfig
 
-from jetrl_trainer.quant import precision_phase, quantize_model
+from jetrl_trainer.quant import PrecisionPhases, quantize_model
 from jetrl_trainer.rollout import HFGenerateBackend, left_pad, processed_logprobs, truncate_after_eos
 from jetrl_trainer.rollout.engine import DecodeEngine, EngineBackend, unsupported_model_reason
 from jetrl_trainer.tiny import build_tiny_llada, build_tiny_llama, build_tiny_qwen2, build_tiny_qwen3
@@ -77,7 +77,7 @@ def test_greedy_tokens_equal_hf_generate(arch, variant):
     if variant != "bf16":
         quantize_model(model, train="bf16", rollout="fp8")
     config = _config()
-    with precision_phase("rollout"):
+    with PrecisionPhases(model).rollout():
         eos = [_eos_inside_the_batch(model, config)]
         expected = _hf_greedy(model, PROMPTS, config, eos)
         tokens, logprobs = _engine(model, PROMPTS, config, eos)
@@ -128,7 +128,7 @@ def test_fused_qk_norms_are_handed_to_the_rope_launch_and_the_layers_compute_the
         q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
         return attend(i, q, k, v.transpose(1, 2))
 
-    with torch.no_grad(), precision_phase("rollout"):
+    with torch.no_grad(), PrecisionPhases(model).rollout():
         expected = view.hidden_states(ids, positions, attend)
         fused = view.hidden_states(ids, positions, attend_with_norms, rope_in_attend=True)
     assert torch.equal(fused, expected)
@@ -184,7 +184,7 @@ def test_qkv_split_sums_reach_the_rope_launch_only_where_it_applies_the_norms(ar
         q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
         return torch.nn.functional.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=True, enable_gqa=True)
 
-    with torch.no_grad(), precision_phase("rollout"):
+    with torch.no_grad(), PrecisionPhases(model).rollout():
         reduced = view.hidden_states(ids, positions, attend, rope_in_attend=True, grouped=True)
         assert seen and GroupedSplitSums not in seen
         seen.clear()
@@ -227,7 +227,7 @@ def test_projections_group_only_plain_fp8_quantlinears(arch):
         assert all(g is not None and len(g.modules) == 2 for g in view.mlp_groups)
         mlp = model.model.layers[0].mlp
         x = torch.randn(3, 1, mlp.gate_proj.in_features)
-        with torch.no_grad(), precision_phase("rollout"):
+        with torch.no_grad(), PrecisionPhases(model).rollout():
             assert view.qkv_groups[0](x) is None  # CPU: the modules run one by one
             assert torch.equal(_down_from(mlp, mlp.gate_proj(x), mlp.up_proj(x)), mlp(x))
     lora = LoraConfig(r=4, target_modules=["k_proj", "up_proj"], init_lora_weights=False)
@@ -241,7 +241,7 @@ def test_sampled_logprobs_are_those_of_the_warped_distribution(precision):
     model = build_tiny_qwen3(tokenizer()).eval()
     quantize_model(model, train="bf16", rollout=precision)
     config = _config(do_sample=True, **WARP)
-    with precision_phase("rollout"):
+    with PrecisionPhases(model).rollout():
         tokens, logprobs = _engine(model, PROMPTS, config, eos=[tokenizer().eos_token_id], seed=3)
         expected = _teacher_forced(model, PROMPTS, tokens, **WARP)
     for row, lps in enumerate(logprobs):
@@ -326,7 +326,7 @@ def test_prefill_gives_the_training_forwards_kv_for_unpadded_prompts():
     model = build_tiny_qwen3(tokenizer()).eval()
     quantize_model(model, train="fp8", rollout="fp8")
     prompts = [(5, 6, 7, 8), (9, 10, 11, 12), (5, 6, 7, 8)]
-    with torch.no_grad(), precision_phase("rollout"):
+    with torch.no_grad(), PrecisionPhases(model).rollout():
         keys, values, logits = DecodeEngine(model).prefill(list(dict.fromkeys(prompts)), pad_token_id=0)
         out = model(input_ids=torch.tensor(prompts[:2]), attention_mask=torch.ones(2, 4, dtype=torch.long))
     assert len(keys) == len(values) == model.config.num_hidden_layers
@@ -478,7 +478,7 @@ def test_kept_state_is_reused_and_decodes_with_the_updated_weights():
     kept = DecodeEngine(model, keep_state=True)
 
     def run(engine, cfg=config):
-        with precision_phase("rollout"):
+        with PrecisionPhases(model).rollout():
             return engine.generate(PROMPTS, cfg, eos_token_ids=[-1], seed=7)
 
     first = run(kept)
@@ -486,7 +486,7 @@ def test_kept_state_is_reused_and_decodes_with_the_updated_weights():
     assert not kept.last_stats["reused_state"] and cache.max_len % DecodeEngine.KEEP_LENGTH_MULTIPLE == 0
     assert run(kept) == first and kept.last_stats["reused_state"] and kept._kept.cache is cache
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    with precision_phase("train"):
+    with PrecisionPhases(model).train():
         model(input_ids=torch.tensor([PROMPTS[0]])).logits.float().pow(2).mean().backward()
     opt.step()
     after = run(kept)
@@ -619,7 +619,8 @@ def test_grouped_projection_leaves_split_sums_where_its_launch_splits_k(splits, 
                for n in (128, 64, 64)]  # fmt: skip
     x = torch.randn(3, 1, 256)
     qkv, o = GroupedProjection.of(linears), GroupedProjection.of(linears[:1])
-    with torch.no_grad(), precision_phase("rollout"):
+    phases = PrecisionPhases(nn.ModuleList(linears))
+    with torch.no_grad(), phases.rollout():
         grouped, single = qkv.split_sums(x), o.split_sums(x)
         wanted = [m(x) for m in linears]
     assert module.lookups == 2
@@ -631,10 +632,10 @@ def test_grouped_projection_leaves_split_sums_where_its_launch_splits_k(splits, 
         assert isinstance(grouped, GroupedSplitSums) and grouped.parts.shape == (2, 3, 256)
         for got, want in zip(grouped.materialize(), wanted):
             assert torch.allclose(got.view(want.shape), want, atol=1e-5)
-    with precision_phase("rollout"):  # autograd on (the weights want gradients): the training path
+    with phases.rollout():  # autograd on (the weights want gradients): the training path
         assert o.split_sums(x) is None
     bf16 = GroupedProjection.of([QuantLinear.from_linear(nn.Linear(256, 64), {"train": "bf16", "rollout": "bf16"})])
-    with torch.no_grad(), precision_phase("rollout"):
+    with torch.no_grad(), PrecisionPhases(bf16.modules[0]).rollout():
         assert bf16.split_sums(x) is None
 
 

@@ -7,7 +7,7 @@ import torch
 from _trainer_utils import tokenizer
 from transformers import GenerationConfig
 
-from jetrl_trainer.quant import precision_phase, quantize_model
+from jetrl_trainer.quant import PrecisionPhases, WeightCacheRefresh, quantize_model
 from jetrl_trainer.rollout import left_pad, processed_logprobs, truncate_after_eos
 from jetrl_trainer.rollout.engine import DecodeEngine
 from jetrl_trainer.tiny import build_tiny_qwen3
@@ -27,7 +27,7 @@ def test_greedy_matches_generate_on_cuda(precision):
     model, tok = _model(precision), tokenizer()
     config = GenerationConfig(max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=[-1])
     ids, mask = left_pad(PROMPTS, tok.pad_token_id)
-    with precision_phase("rollout"):
+    with PrecisionPhases(model).rollout():
         out = model.generate(input_ids=ids.cuda(), attention_mask=mask.cuda(), generation_config=config)
         tokens, _ = DecodeEngine(model).generate(PROMPTS, config, eos_token_ids=[-1], seed=0,
                                                  pad_token_id=tok.pad_token_id)  # fmt: skip
@@ -39,7 +39,7 @@ def test_sampled_logprobs_on_cuda():
     model, tok = _model("fp8"), tokenizer()
     warp = dict(temperature=0.7, top_k=12, top_p=0.9)
     config = GenerationConfig(max_new_tokens=8, do_sample=True, pad_token_id=tok.pad_token_id, **warp)
-    with precision_phase("rollout"):
+    with PrecisionPhases(model).rollout():
         tokens, logprobs = DecodeEngine(model).generate(PROMPTS, config, eos_token_ids=[tok.eos_token_id], seed=5,
                                                         pad_token_id=tok.pad_token_id)  # fmt: skip
         prompt_ids, prompt_mask = left_pad(PROMPTS, tok.pad_token_id)
@@ -70,7 +70,7 @@ def test_graphed_decode_matches_generate_and_the_eager_engine(precision):
     model, tok = _model(precision), tokenizer()
     config = GenerationConfig(max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=[-1])
     ids, mask = left_pad(PROMPTS, tok.pad_token_id)
-    with precision_phase("rollout"):
+    with PrecisionPhases(model).rollout():
         out = model.generate(input_ids=ids.cuda(), attention_mask=mask.cuda(), generation_config=config)
         expected, _ = truncate_after_eos(out[:, ids.shape[1] :].cpu(), torch.zeros(out.shape), [-1])
         engine = DecodeEngine(model, cuda_graphs=True)
@@ -92,7 +92,7 @@ def test_graphed_look_ahead_changes_no_token():
     config = GenerationConfig(max_new_tokens=12, do_sample=True, temperature=1.0, pad_token_id=tok.pad_token_id)
     budgets = [12, 3, 7, 1, 12, 5, 2, 9]
     runs = []
-    with precision_phase("rollout"):
+    with PrecisionPhases(model).rollout():
         for look_ahead in (True, False):
             engine = DecodeEngine(model, cuda_graphs=True, max_batch_size=3)
             engine.look_ahead = look_ahead
@@ -107,7 +107,7 @@ def _grouped_then_ungrouped(model, prompts, config, calls: list):
     """Greedy runs with and without grouped projections; the grouped run's logged launches are
     moved out of ``calls`` so that the ungrouped run's (none expected) stay in it."""
     runs = []
-    with precision_phase("rollout"):
+    with PrecisionPhases(model).rollout():
         for grouped in (True, False):
             engine = DecodeEngine(model, cuda_graphs=True)
             engine.grouped_projections = grouped
@@ -171,7 +171,7 @@ def test_graphed_sampling_records_the_warped_logprobs():
     warp = dict(temperature=0.7, top_k=12, top_p=0.9)
     config = GenerationConfig(max_new_tokens=8, do_sample=True, pad_token_id=tok.pad_token_id, **warp)
     budgets = [8, 3, 5, 1]  # rows leave their slots at different steps
-    with precision_phase("rollout"):
+    with PrecisionPhases(model).rollout():
         tokens, logprobs = DecodeEngine(model, cuda_graphs=True).generate(
             PROMPTS, config, eos_token_ids=[-1], seed=5, pad_token_id=0, row_budgets=budgets
         )
@@ -190,7 +190,7 @@ def test_a_graph_replayed_after_an_optimizer_step_sees_the_new_weights():
     layer = QuantLinear(256, 384, bias=False, device="cuda", dtype=torch.bfloat16, train="fp8", rollout="fp8")
     x = torch.randn(16, 256, device="cuda", dtype=torch.bfloat16)
     opt = torch.optim.SGD(layer.parameters(), lr=1.0)
-    with torch.no_grad(), precision_phase("rollout"):
+    with torch.no_grad(), PrecisionPhases(layer).rollout():
         layer(x)  # fill the cache, warm the kernels
         graph, static = torch.cuda.CUDAGraph(), torch.empty(16, 384, device="cuda", dtype=torch.bfloat16)
         torch.cuda.synchronize()
@@ -200,7 +200,7 @@ def test_a_graph_replayed_after_an_optimizer_step_sees_the_new_weights():
         before = static.clone()
     layer(x.requires_grad_()).float().pow(2).sum().backward()
     opt.step()
-    with torch.no_grad(), precision_phase("rollout"):
+    with torch.no_grad(), PrecisionPhases(layer).rollout():
         eager = layer(x.detach())  # refreshes the cache (in place)
         graph.replay()
     assert not torch.equal(before, eager)
@@ -217,13 +217,14 @@ def test_kept_graphs_replay_the_weights_of_each_step():
     kept = DecodeEngine(model, cuda_graphs=True, keep_state=True)
 
     def run(engine):
-        with precision_phase("rollout"):
+        with PrecisionPhases(model).rollout():
             return engine.generate(PROMPTS, config, eos_token_ids=[-1], seed=0, pad_token_id=0)
 
     first = run(kept)
     assert kept.last_stats["graphs_captured"] >= 1 and kept.last_stats["capture_seconds"] > 0
-    opt = torch.optim.AdamW(model.parameters(), lr=5e-2, fused=True)  # no _version bump: the step hook refreshes
-    with precision_phase("train"):
+    opt = torch.optim.AdamW(model.parameters(), lr=5e-2, fused=True)
+    WeightCacheRefresh(model, opt)  # fused AdamW bumps no _version: the refresh marks the weights stale
+    with PrecisionPhases(model).train():
         model(input_ids=torch.tensor([PROMPTS[0]], device="cuda")).logits.float().pow(2).mean().backward()
     opt.step()
     after = run(kept)
@@ -289,7 +290,7 @@ def _same_bits_with_and_without(model, tok, flag: str, check_on) -> None:
     and log-probs, bit for bit."""
     config = GenerationConfig(max_new_tokens=10, do_sample=True, temperature=1.0, pad_token_id=tok.pad_token_id)
     runs = []
-    with precision_phase("rollout"):
+    with PrecisionPhases(model).rollout():
         for on in (True, False):
             engine = DecodeEngine(model, cuda_graphs=True)
             setattr(engine, flag, on)
@@ -371,7 +372,7 @@ def test_unified_mismatch_on_an_8b_shaped_model_is_no_larger_than_with_generate(
 
     def mismatch(completions, logprobs) -> float:
         ids = torch.cat([torch.tensor(prompts), torch.tensor(completions)], 1).cuda()
-        with precision_phase("train"):
+        with PrecisionPhases(model).train():
             logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), logits_to_keep=257).logits[:, :-1]
         lp = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, 128:, None])[..., 0]
         return (lp.cpu() - torch.tensor(logprobs)).abs().mean().item()
@@ -381,7 +382,7 @@ def test_unified_mismatch_on_an_8b_shaped_model_is_no_larger_than_with_generate(
         for name in ("generate", "engine", "engine_flash_order"):
             values = []
             for seed in range(3):
-                with precision_phase("rollout"):
+                with PrecisionPhases(model).rollout():
                     if name == "generate":
                         torch.manual_seed(seed)
                         out = generate_with_logprobs(model, prompts, sampling, pad_token_id=0, eos_token_ids=[-1])

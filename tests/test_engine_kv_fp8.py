@@ -11,7 +11,7 @@ from _trainer_utils import make_args, make_trainer, tokenizer, train
 from transformers import GenerationConfig
 
 from jetrl_trainer.kernels.triton_decode_attention import decode_attention_reference
-from jetrl_trainer.quant import precision_phase, quantize_model
+from jetrl_trainer.quant import PrecisionPhases, quantize_model
 from jetrl_trainer.quant.fp8 import dequantize_fp8_groups, quantize_fp8_groups
 from jetrl_trainer.rollout.engine import DecodeEngine
 from jetrl_trainer.rollout.engine.kv_cache import KVCache
@@ -139,7 +139,7 @@ def test_graphed_engine_with_an_fp8_cache_matches_the_eager_one():
     model = build_tiny_qwen3(tokenizer()).cuda().eval()
     quantize_model(model, train="bf16", rollout="fp8")
     config = GenerationConfig(max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=[-1])
-    with precision_phase("rollout"):
+    with PrecisionPhases(model).rollout():
         runs = [DecodeEngine(model, cuda_graphs=graphs, kv_cache_dtype="fp8").generate(PROMPTS, config, eos_token_ids=[-1],
                                                                                        seed=0)
                 for graphs in (True, False)]  # fmt: skip

@@ -13,7 +13,7 @@ import torch
 from _trainer_utils import make_trainer, tiny_model, tokenizer, train
 from datasets import Dataset
 
-from jetrl_trainer.quant import precision_phase, quantize_model
+from jetrl_trainer.quant import PrecisionPhases, quantize_model
 from jetrl_trainer.rollout import left_pad, position_ids_from_mask
 from jetrl_trainer.rollout.engine import DecodeEngine
 from jetrl_trainer.scoring import generation_positions
@@ -44,7 +44,7 @@ def test_prefill_gives_the_training_forwards_kv_for_padded_prompts():
     quantize_model(model, train="fp8", rollout="fp8")
     prompts = [(5, 6), (9, 10, 11, 12, 13), (7, 8, 9)]
     ids, mask = left_pad(prompts, 0)
-    with torch.no_grad(), precision_phase("rollout"):
+    with torch.no_grad(), PrecisionPhases(model).rollout():
         keys, values, _ = DecodeEngine(model).prefill(prompts, pad_token_id=0)
         with generation_positions(model):
             out = model(input_ids=ids, attention_mask=mask)

@@ -21,7 +21,7 @@ def test_quantized_model_state_dict_holds_only_the_master_weights(tmp_path):
     # keys and same storage, and a checkpoint reloads into a plain transformers model.
     from transformers import AutoModelForCausalLM
 
-    from jetrl_trainer.quant import precision_phase
+    from jetrl_trainer.quant import PrecisionPhases
     from jetrl_trainer.quant.fused import fuse_norm_and_swiglu
     from jetrl_trainer.tiny import build_tiny_qwen3
 
@@ -29,7 +29,7 @@ def test_quantized_model_state_dict_holds_only_the_master_weights(tmp_path):
     before = {k: v.data_ptr() for k, v in model.state_dict().items()}
     fuse_norm_and_swiglu(quantize_model(model, train="fp8", rollout="nvfp4"))
     ids = torch.randint(0, model.config.vocab_size, (2, 9))
-    with precision_phase("rollout"), torch.no_grad():
+    with PrecisionPhases(model).rollout(), torch.no_grad():
         model(ids)
     model(ids).logits.float().pow(2).mean().backward()
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
@@ -89,9 +89,9 @@ def _fp8_policy(intermediate_size: int = 160, **quant):
 
 
 def _rollout_logits(model, ids):
-    from jetrl_trainer.quant import precision_phase
+    from jetrl_trainer.quant import PrecisionPhases
 
-    with precision_phase("rollout"), torch.no_grad():
+    with PrecisionPhases(model).rollout(), torch.no_grad():
         return model(ids).logits.float()
 
 

@@ -8,7 +8,7 @@ import torch
 
 from jetrl_trainer.diffusion import build_tiny_llada, generate
 from jetrl_trainer.kernels import optional_module, triton_available
-from jetrl_trainer.quant import precision_phase, quantize_model
+from jetrl_trainer.quant import PrecisionPhases, quantize_model
 
 pytestmark = [
     pytest.mark.gpu,
@@ -39,7 +39,7 @@ def prompts(B=6, P=9):
 def test_greedy_sampling_on_cuda_is_deterministic_and_complete(phase, kw):
     model, (ids, mask) = model_fp8(), prompts()
     common = dict(steps=16, gen_length=32, block_length=8, **kw)
-    with precision_phase(phase):
+    with PrecisionPhases(model).use(phase):
         first, again = [generate(model, ids, mask, **common) for _ in range(2)]
         # an all-ones mask is dropped once on the host: the run is the unmasked one
         unpadded = [generate(model, ids[1::2], m, **common) for m in (None, torch.ones_like(mask[1::2]))]
@@ -55,7 +55,7 @@ def test_seeded_sampling_on_cuda_is_reproducible():
     def sample(seed):
         return generate(model, ids, mask, generator=torch.Generator(device="cuda").manual_seed(seed), **kw)
 
-    with precision_phase("rollout"):
+    with PrecisionPhases(model).rollout():
         a, again, other = sample(0), sample(0), sample(1)
     assert not (a == MASK).any()
     assert torch.equal(a, again)  # the generator seeds every draw
@@ -72,7 +72,7 @@ def test_fused_swiglu_is_bit_identical_and_runs(monkeypatch):
     monkeypatch.setattr(_fused, "fused_swiglu", lambda *a: calls.append(1) or real(*a))
     canvas = torch.cat([ids, torch.full((ids.shape[0], 16), MASK, device="cuda")], 1)
     attn = torch.cat([mask, torch.ones_like(canvas[:, 9:])], 1)
-    with torch.no_grad(), precision_phase("rollout"):
+    with torch.no_grad(), PrecisionPhases(model).rollout():
         fused = model(canvas, attention_mask=attn).logits
         served = [c for c in calls]
         for block in model.model.transformer.blocks:
@@ -83,7 +83,7 @@ def test_fused_swiglu_is_bit_identical_and_runs(monkeypatch):
     # and it feeds ff_out: the fused path returned a value (not None) in the FP8 phase
     assert real(torch.randn(4, 512, device="cuda", dtype=torch.bfloat16),
                 torch.randn(4, 512, device="cuda", dtype=torch.bfloat16), model.model.transformer.blocks[0]) is None
-    with precision_phase("rollout"):
+    with PrecisionPhases(model).rollout():
         assert real(torch.randn(4, 512, device="cuda", dtype=torch.bfloat16),
                     torch.randn(4, 512, device="cuda", dtype=torch.bfloat16),
                     model.model.transformer.blocks[0]) is not None

@@ -17,7 +17,7 @@ from jetrl_trainer.diffusion import DiffusionBackend, DiffusionSampling, Diffusi
 from jetrl_trainer.diffusion import elbo_logps, mask_seeds_for_step, mean_field_logps, register_estimator
 from jetrl_trainer.diffusion import rollout as diffusion_rollout
 from jetrl_trainer.diffusion.scoring import select_iteration
-from jetrl_trainer.quant import QuantLinear, current_phase
+from jetrl_trainer.quant import PrecisionPhases, QuantLinear
 
 GEN_LENGTH, STEPS = 8, 4
 FAST = dict(
@@ -136,7 +136,7 @@ def recording_mean_field(model, prompt_ids, prompt_mask, completion_ids, complet
     for r in range(prompt_ids.shape[0]):
         key = (tuple(prompt_ids[r][prompt_mask[r].bool()].tolist()), tuple(completion_ids[r].tolist()))
         RECORD.append(dict(
-            phase=current_phase(), grad=torch.is_grad_enabled(), key=key, seed=int(mask_seed[r]),
+            phase=PrecisionPhases(model).phase, grad=torch.is_grad_enabled(), key=key, seed=int(mask_seed[r]),
             width=completion_ids.shape[1], logps=logps[r].detach().clone(),
         ))  # fmt: skip
     return logps
@@ -182,7 +182,7 @@ def recording_elbo(model, prompt_ids, prompt_mask, completion_ids, completion_ma
         logps = elbo_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, mask_seed=mask_seed, **kw)
     finally:
         handle.remove()
-    ELBO_CALLS.append(dict(phase=current_phase(), grad=torch.is_grad_enabled(), options=kw,
+    ELBO_CALLS.append(dict(phase=PrecisionPhases(model).phase, grad=torch.is_grad_enabled(), options=kw,
                            inputs=[x.clone() for x in inputs], logps=logps.detach().clone()))  # fmt: skip
     return logps
 

@@ -245,15 +245,15 @@ def test_registry(monkeypatch):
 
 
 def test_each_phase_scores_the_same_masked_input_in_its_own_precision():
-    from jetrl_trainer.quant import precision_phase, quantize_model
+    from jetrl_trainer.quant import PrecisionPhases, quantize_model
 
     base = build_tiny_llada(vocab_size=VOCAB, mask_token_id=MASK, seed=2, dtype=torch.bfloat16).eval()
     rec = Recorder(quantize_model(base, train="bf16", rollout="fp8"))
     args = batch()
     with torch.no_grad():
-        with precision_phase("rollout"):
+        with PrecisionPhases(base).rollout():
             rollout = mean_field_logps(rec, *args, mask_seed=6)
-        with precision_phase("train"):
+        with PrecisionPhases(base).train():
             train = mean_field_logps(rec, *args, mask_seed=6)
     (rollout_ids, _), (train_ids, _) = rec.calls
     assert torch.equal(rollout_ids, train_ids)  # like is compared with like
@@ -463,15 +463,15 @@ def test_elbo_gradients_flow_and_it_is_registered(model):
 
 
 def test_elbo_scores_every_phase_on_the_same_masked_inputs():
-    from jetrl_trainer.quant import precision_phase, quantize_model
+    from jetrl_trainer.quant import PrecisionPhases, quantize_model
 
     base = build_tiny_llada(vocab_size=VOCAB, mask_token_id=MASK, seed=2, dtype=torch.bfloat16).eval()
     rec = Recorder(quantize_model(base, train="bf16", rollout="fp8"))
     args = batch()
     with torch.no_grad():
-        with precision_phase("rollout"):
+        with PrecisionPhases(base).rollout():
             rollout = elbo_logps(rec, *args, mask_seed=6, n_mc=3)
-        with precision_phase("train"):
+        with PrecisionPhases(base).train():
             train = elbo_logps(rec, *args, mask_seed=6, n_mc=3)
     inputs = [ids for ids, _ in rec.calls]
     assert len(inputs) == 6 and all(torch.equal(a, b) for a, b in zip(inputs[:3], inputs[3:]))

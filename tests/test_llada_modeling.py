@@ -405,14 +405,14 @@ def test_lora_preset_unknown_name():
 
 
 def test_quantize_model_swaps_block_linears_but_not_the_lm_head():
-    from jetrl_trainer.quant import QuantLinear, count_quant_gemms, precision_phase, quantize_model
+    from jetrl_trainer.quant import PrecisionPhases, QuantLinear, count_quant_gemms, quantize_model
 
     model = quantize_model(tiny(dtype=torch.bfloat16).eval(), train="bf16", rollout="fp8")
     tr = model.model.transformer
     assert type(tr.ff_out) is nn.Linear  # found through get_output_embeddings()
     assert all(isinstance(getattr(b, n), QuantLinear) for b in tr.blocks for n in BLOCK_WEIGHTS[:7])
     ids, mask = left_padded_batch()
-    with torch.no_grad(), count_quant_gemms() as counts, precision_phase("rollout"):
+    with torch.no_grad(), count_quant_gemms() as counts, PrecisionPhases(model).rollout():
         logits = model(ids, attention_mask=mask).logits
     assert counts == {("rollout", "fp8"): 2 * 7}
     assert torch.isfinite(logits).all()

@@ -10,11 +10,12 @@ from jetrl_trainer.quant.testing import assert_bits_equal
 from jetrl_trainer.quant import (
     FP8Recipe,
     NVFP4Recipe,
+    PrecisionPhases,
     QuantLinear,
+    WeightCacheRefresh,
     count_quant_gemms,
     dequantize_fp8_groups,
     invalidate_weight_caches,
-    precision_phase,
     quantize_fp8_blocks,
     quantize_fp8_groups,
 )
@@ -115,13 +116,13 @@ def test_each_phase_launches_every_quant_kernel_with_its_recipes_kernel_settings
                                 requant_warps=8, transpose=(32, 256, 4))  # fmt: skip
     layer = QuantLinear(256, 130, train=FP8Recipe(kernels=tuned), rollout="fp8")
     x = torch.randn(9, 256, requires_grad=True)
-    with precision_phase("train"):
+    with PrecisionPhases(layer).train():
         layer(x).sum().backward()
     assert sorted(name for name, _ in launches) == ["act_quant_fp8"] * 3 + ["requant_transpose_fp8",
                                                     "transpose_fp8_blocks", "weight_quant_fp8"]  # fmt: skip
     assert all(settings is tuned for _, settings in launches)
     launches.clear()
-    with precision_phase("rollout"), torch.no_grad():
+    with PrecisionPhases(layer).rollout(), torch.no_grad():
         layer(x)
     assert ("act_quant_fp8", QuantKernelSettings()) in launches  # the rollout recipe's own (default) launch
     assert all(settings == QuantKernelSettings() for _, settings in launches)
@@ -185,12 +186,12 @@ def test_nvfp4_high_precision_saves_the_operands():
 def test_unified_flow_rollout_equals_train_and_weight_is_quantized_once():
     _, q = _pair()
     x = torch.randn(8, 200)
-    with torch.no_grad(), precision_phase("rollout"):
+    with torch.no_grad(), PrecisionPhases(q).rollout():
         y_rollout = q(x)
     y_train = q(x)
     assert torch.equal(y_rollout, y_train)
     assert q.weight_quantizations == 1
-    with torch.inference_mode(), precision_phase("rollout"):
+    with torch.inference_mode(), PrecisionPhases(q).rollout():
         assert torch.equal(q(x), y_train)
     assert q.weight_quantizations == 1
 
@@ -199,15 +200,16 @@ def test_unified_flow_rollout_equals_train_and_weight_is_quantized_once():
 def test_weight_cache_invalidated_once_per_optimizer_step(optim_kw):
     _, q = _pair()
     opt = torch.optim.AdamW(q.parameters(), lr=1e-2, **optim_kw)
+    WeightCacheRefresh(q, opt)
     x = torch.randn(8, 200)
     before = q(x)
     before.sum().backward()
-    with precision_phase("rollout"), torch.no_grad():
+    with PrecisionPhases(q).rollout(), torch.no_grad():
         q(x)
     assert q.weight_quantizations == 1
-    opt.step()  # fused AdamW does not bump param._version; the step hook still invalidates
+    opt.step()  # fused AdamW does not bump param._version; the refresh still invalidates
     after = q(x)
-    with precision_phase("rollout"), torch.no_grad():
+    with PrecisionPhases(q).rollout(), torch.no_grad():
         assert torch.equal(q(x), after)
     assert q.weight_quantizations == 2
     assert not torch.equal(after, before)
@@ -287,7 +289,7 @@ def test_transposed_weight_cache_refreshes_in_place_after_a_step():
 def test_no_transposed_weight_without_an_input_gradient_or_in_rollouts():
     _, q = _pair()
     q(torch.randn(8, 200)).sum().backward()  # the input needs no gradient: no dgrad
-    with torch.no_grad(), precision_phase("rollout"):
+    with torch.no_grad(), PrecisionPhases(q).rollout():
         q(torch.randn(8, 200))
     assert q.weight_transposes == 0 and q._transposed_cache == {}
 
@@ -303,7 +305,7 @@ def test_in_place_edits_invalidate_but_data_edits_need_an_explicit_call():
     q.weight.data.mul_(0.5)  # .data bypasses the version counter
     q(x)
     assert q.weight_quantizations == 2
-    invalidate_weight_caches()
+    invalidate_weight_caches(q)
     torch.testing.assert_close(q(x), y0)
     assert q.weight_quantizations == 3
 
@@ -332,7 +334,7 @@ def test_naive_baseline_differs_per_phase_and_trains_in_bf16():
     x = torch.randn(8, 200, dtype=torch.bfloat16)
     with torch.no_grad():
         y_train = q(x)
-        with precision_phase("rollout"):
+        with PrecisionPhases(q).rollout():
             y_rollout = q(x)
     assert torch.equal(y_train, ref(x))
     assert not torch.equal(y_rollout, y_train)
@@ -391,7 +393,7 @@ def test_count_quant_gemms_per_phase():
     x = torch.randn(2, 200)
     with count_quant_gemms() as outer:
         q(x)
-        with count_quant_gemms() as inner, precision_phase("rollout"):
+        with count_quant_gemms() as inner, PrecisionPhases(q).rollout():
             q(x)
             q(x)
     assert inner == {("rollout", "fp8"): 2}
@@ -410,12 +412,14 @@ def test_parameters_shared_and_state_dict_unchanged():
     assert no_bias.bias is None and list(no_bias.state_dict()) == ["weight"]
 
 
-def test_extra_repr_shows_recipes():
+def test_extra_repr_shows_recipes_and_phase():
     _, q = _pair(recipes={"train": "fp8", "rollout": "nvfp4"})
     text = repr(q)
     assert "train=fp8(e4m3,1x128/128x128)" in text and "rollout=nvfp4(e2m1,1x16,4/6,bwd=dequantized)" in text
     plain = QuantLinear(16, 8, train="bf16", rollout="fp8")
-    assert "train=bf16, rollout=fp8(e4m3,1x128/128x128)" in repr(plain)
+    assert "train=bf16, rollout=fp8(e4m3,1x128/128x128), phase=train" in repr(plain)
+    with PrecisionPhases(plain).rollout():
+        assert repr(plain).endswith("phase=rollout)")
 
 
 def test_bad_input_raises_value_error():
@@ -425,7 +429,7 @@ def test_bad_input_raises_value_error():
     with pytest.raises(ValueError, match=r"\[\*, 200\]"):
         q(torch.ones(2, 100))
     with pytest.raises(ValueError, match="train, rollout"):
-        with precision_phase("eval"):
+        with PrecisionPhases(q).use("eval"):
             pass
     with pytest.raises(ValueError, match="bf16, fp8, nvfp4"):
         q.set_recipes(train="int4")
@@ -468,7 +472,7 @@ def test_cuda_fast_kernels_match_the_reference_bit_for_bit(monkeypatch):
     for disable in ("1", "0"):  # the pure-torch reference, then the Triton kernels where present
         monkeypatch.setenv("JETRL_DISABLE_TRITON", disable)
         reset_kernel_caches()  # the variable is read once per process
-        invalidate_weight_caches()
+        invalidate_weight_caches(q)
         q.weight.grad = q.bias.grad = None
         with use_gemm_backend("emulated"):
             results.append(_run(q, x, dy))
@@ -518,11 +522,11 @@ def test_forced_gemm_backend_also_drives_the_backward_gemms():
 @pytest.mark.parametrize("name", ["fp8", "fp8_ue8m0", "nvfp4_dequantized"])
 def test_forward_backward_trace_in_one_graph_with_the_eager_bits(name):
     # A captured actor update (issue 16) compiles the policy: the weight cache and the fused-quant
-    # hand-off (data-pointer keyed, untraceable) step aside while tracing; the bits stay the eager ones.
+    # hand-off (side effects on tensors, untraceable) step aside while tracing; the bits stay the eager ones.
     torch._dynamo.reset()
     _, q = _pair(256, 384, recipes=RECIPES[name])
     x, dy = torch.randn(64, 256), torch.randn(64, 384)
-    with precision_phase("train"):
+    with PrecisionPhases(q).train():
         eager = _run(q, x, dy)
         q.weight.grad = q.bias.grad = None
         before = q.weight_quantizations
@@ -532,21 +536,6 @@ def test_forward_backward_trace_in_one_graph_with_the_eager_bits(name):
     assert_bits_equal(traced[0], eager[0])
     for got, want in zip(traced[1], eager[1]):
         assert_bits_equal(got, want)
-
-
-def test_the_prequantized_hand_off_is_a_no_op_while_tracing():
-    from jetrl_trainer.quant._handoff import offer_prequantized, take_prequantized
-
-    torch._dynamo.reset()
-
-    def offer_then_take(y):
-        q, s = quantize_fp8_groups(y)
-        offer_prequantized(y, q, s, "fp32")
-        return take_prequantized(y, "fp32") is None
-
-    y = torch.randn(4, 256)
-    assert torch.compile(offer_then_take, backend="aot_eager", fullgraph=True)(y)
-    assert not offer_then_take(y)  # eager: the pair is served
 
 
 def test_a_quantized_decoder_traces_forward_and_backward_in_one_graph():
@@ -564,7 +553,7 @@ def test_a_quantized_decoder_traces_forward_and_backward_in_one_graph():
     def loss(ids):
         return torch.log_softmax(model(input_ids=ids).logits.float(), -1).mean()
 
-    with precision_phase("train"):
+    with PrecisionPhases(model).train():
         traced = torch.compile(loss, backend="aot_eager", fullgraph=True)(ids)
         traced.backward()
         grads = [p.grad.clone() for p in model.parameters()]

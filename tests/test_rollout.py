@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from jetrl_trainer.quant import count_quant_gemms, precision_phase, quantize_model
+from jetrl_trainer.quant import PrecisionPhases, count_quant_gemms, quantize_model
 from jetrl_trainer.rollout import (
     SampledLogprobRecorder,
     generate_batch_with_logprobs,
@@ -124,21 +124,21 @@ def test_generate_logprobs_match_teacher_forced_forward(tok, precision):
     model = _model(tok, precision)
     prompts = [tok.encode("12+7="), tok.encode("3*45="), tok.encode("100-1="), tok.encode("9=")]  # ragged
     torch.manual_seed(1)
-    with precision_phase("rollout"), count_quant_gemms() as counts:
+    with PrecisionPhases(model).rollout(), count_quant_gemms() as counts:
         ids, lps = generate_with_logprobs(
             model, prompts, _gen_config(tok), pad_token_id=tok.pad_token_id, eos_token_ids=[tok.eos_token_id]
         )
     if precision != "none":
         assert set(counts) == {("rollout", precision)}
     assert [len(x) for x in ids] == [len(x) for x in lps] and all(len(x) > 0 for x in ids)
-    with torch.no_grad(), precision_phase("rollout"):
+    with torch.no_grad(), PrecisionPhases(model).rollout():
         ref = _teacher_forced(model, prompts, ids, tok.pad_token_id, **WARP)
         raw = _teacher_forced(model, prompts, ids, tok.pad_token_id)  # no warpers: a recorder that skipped them
     for got, want, unwarped in zip(lps, ref, raw):
         assert (torch.tensor(got) - want).abs().max().item() < TOL
         assert (torch.tensor(got) - unwarped).abs().max().item() > 0.1
     if precision != "none":  # the same tokens under the other phase's precision really differ
-        with torch.no_grad(), precision_phase("train"):
+        with torch.no_grad(), PrecisionPhases(model).train():
             train = _teacher_forced(model, prompts, ids, tok.pad_token_id, **WARP)
         assert max((torch.tensor(g) - t).abs().max().item() for g, t in zip(lps, train)) > 10 * TOL
 
@@ -159,11 +159,12 @@ def test_continuous_batching_logprobs_in_rollout_precision(tok):
     prompts = [tok.encode("1+1="), tok.encode("20/4=")]
     cb = ContinuousBatchingConfig(num_blocks=16, max_batch_tokens=64)
     torch.manual_seed(0)
-    with count_quant_gemms() as counts:  # no phase entered here: the engine thread must enter it itself
+    # The engine runs the model in its own thread: the phase is the model's, so the caller's block reaches it.
+    with PrecisionPhases(model).rollout(), count_quant_gemms() as counts:
         ids, lps = generate_batch_with_logprobs(model, prompts, _gen_config(tok, max_new_tokens=6), cb)
     assert cb.return_logprobs is False  # the caller's config is not mutated
     assert counts[("rollout", "fp8")] > 0 and not any(phase == "train" for phase, _ in counts)
-    with torch.no_grad(), precision_phase("rollout"):
+    with torch.no_grad(), PrecisionPhases(model).rollout():
         ref = _teacher_forced(model, prompts, ids, tok.pad_token_id, **WARP)
     for got, want in zip(lps, ref):
         assert len(got) == len(want) > 0

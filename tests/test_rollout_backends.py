@@ -135,9 +135,9 @@ def test_scored_rollout_logprobs_mean_what_recorded_ones_mean(precision):
     quantize_model(model, train="bf16", rollout=precision)
     config = _gen_config()
     torch.manual_seed(1)
-    from jetrl_trainer.quant import precision_phase
+    from jetrl_trainer.quant import PrecisionPhases
 
-    with precision_phase("rollout"):
+    with PrecisionPhases(model).rollout():
         recorded = _backend().generate(model, PROMPTS, config)
     assert recorded.logprobs is not None
     prompt_ids, prompt_mask = left_pad(PROMPTS, tokenizer().pad_token_id)

@@ -9,6 +9,7 @@ from _trainer_utils import changed, make_trainer, snapshot, train
 from transformers import TrainerCallback
 
 from jetrl_trainer import JetGRPOTrainer
+from jetrl_trainer.quant import QuantLinear
 
 
 class NaNAdvantageTrainer(JetGRPOTrainer):
@@ -50,6 +51,8 @@ def test_nan_step_is_skipped_and_the_next_one_trains(tmp_path):
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
     state = trainer.optimizer.state  # Adam moments were created by the good step only, and are finite
     assert state and all(int(s["step"]) == 1 and torch.isfinite(s["exp_avg"]).all() for s in state.values())
+    layers = [m for m in trainer.model.modules() if isinstance(m, QuantLinear)]
+    assert {m._weight_generation for m in layers} == {1}, "the skipped step must not refresh the quantized weights"
 
 
 def test_nan_gradient_from_a_finite_loss_is_caught(tmp_path):

@@ -119,10 +119,10 @@ def test_corrector_consumes_vllm_logprobs_and_mismatch_is_logged_every_step(run)
 
 def _processed(model, ids, tokens, temperature, top_k):
     """Processed and raw log-probs of ``tokens``, and each position's top-k boundary margin (k-th - (k+1)-th logit)."""
-    from jetrl_trainer.quant import precision_phase
+    from jetrl_trainer.quant import PrecisionPhases
     from jetrl_trainer.rollout import processed_logprobs
 
-    with torch.no_grad(), precision_phase("rollout"):
+    with torch.no_grad(), PrecisionPhases(model).rollout():
         logits = model(torch.tensor([ids + tokens])).logits[:, len(ids) - 1 : -1].float()
     raw = torch.log_softmax(logits, -1)[0].gather(-1, torch.tensor(tokens)[:, None])[:, 0]
     top = logits[0].topk(top_k + 1, -1).values

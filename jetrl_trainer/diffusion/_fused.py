@@ -15,22 +15,22 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from jetrl_trainer.quant._handoff import offer_prequantized
 from jetrl_trainer.quant.fused import (  # shared with the Qwen3/Llama swap, not re-implemented
     FusedRMSNorm,
     _fp8_format,
     _SwiGLUQuantFunction,
     _use_kernels,
-    offer_prequantized,
 )
 
 __all__ = ["fused_swiglu"]
 
 
 def fused_swiglu(gate: torch.Tensor, up: torch.Tensor, block: nn.Module | None) -> torch.Tensor | None:
-    """``silu(gate) * up`` with its FP8 pair offered to ``block.ff_out``; ``None`` when it does not apply.
+    """``silu(gate) * up``, carrying its FP8 pair to ``block.ff_out``; ``None`` when it does not apply.
 
     Applies on CUDA with the Triton kernel, when ``block.ff_norm`` is a ``FusedRMSNorm`` and
-    ``block.ff_out`` quantizes to FP8 in the active phase. ``gate``/``up``: ``(..., hidden)``.
+    ``block.ff_out`` quantizes to FP8 in its phase. ``gate``/``up``: ``(..., hidden)``.
     """
     if block is None or not isinstance(getattr(block, "ff_norm", None), FusedRMSNorm):
         return None

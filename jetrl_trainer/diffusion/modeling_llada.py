@@ -140,7 +140,7 @@ class LLaDAPrefixCache:
 class LLaDAGatedActivation(nn.Module):
     """``act(gate) * up``, LLaDA's inline SwiGLU, as a parameter-free module (state-dict keys unchanged).
 
-    For SiLU on CUDA, when the block's ``ff_out`` is an FP8 ``QuantLinear`` in the active phase, the
+    For SiLU on CUDA, when the block's ``ff_out`` is an FP8 ``QuantLinear`` in its phase, the
     product and its 1x128 FP8 quantization come from one fused kernel and the pair is handed to
     ``ff_out`` (:mod:`jetrl_trainer.diffusion._fused`); the values are bit-identical to the plain
     expression, so only the speed changes. ``fused = False`` turns that off.

@@ -303,8 +303,8 @@ def generate(
         progress: show a tqdm bar over the steps.
         on_step: called after every step with a :class:`DenoiseStepInfo` (for tests / tracing).
 
-    The model runs in whatever precision phase is active, so call it inside
-    ``precision_phase("rollout")`` for quantized rollouts.
+    The model runs in its own precision phase, so call it inside
+    ``PrecisionPhases(model).rollout()`` (``jetrl_trainer.quant``) for quantized rollouts.
     """
     mask_token_id = _resolve_mask_token_id(model, mask_token_id)
     steps_per_block = _validate(

@@ -7,8 +7,8 @@ seed s_i. A generation batch carries its seeds as ``mask_seeds`` ``(B, num_itera
 ```
 prompts ─► diffusion sampler (rollout precision)     ─► completions, cut after the first EOS
         ─► per inner iteration i (mask seed s_i), no grad:
-             old log-probs      = estimator(s_i) in precision_phase("train")
-             rollout log-probs  = estimator(s_i) in precision_phase("rollout")
+             old log-probs      = estimator(s_i), model in the train phase
+             rollout log-probs  = estimator(s_i), model in the rollout phase
              reference log-probs= estimator(s_i) on the reference (adapter-disabled under LoRA)
         ─► corrector(old_i, rollout_i, mask, advantages) ─► weights_i + mismatch sums
         ─► loss at iteration i: current log-probs = estimator(s_i) with grad; TRL's surrogate × weights_i

@@ -11,13 +11,14 @@ A backend is ``generate(model, prompt_ids, sampling) -> Rollout`` (`RolloutBacke
   processed log-probs come from vLLM (`jetrl_trainer.rollout.vllm_backend`, docs/vllm.md).
 * ``"diffusion"`` — the LLaDA sampler, `jetrl_trainer.diffusion.rollout.DiffusionBackend`.
 
-Each runs in the active precision phase; the trainer wraps it in ``precision_phase("rollout")``.
+Each runs the model in its own precision phase; the trainer calls it inside its
+``precision_phases.rollout()`` block (`jetrl_trainer.quant.PrecisionPhases`).
 `processed_logprobs` is the teacher-forced counterpart of the recorder (the trainer's fallback when
 a backend records nothing, and the tests' check).
 """
 
 from .base import ROLLOUT_BACKENDS, Rollout, RolloutBackend
-from .continuous import ContinuousBatchingBackend, generate_batch_with_logprobs, phase_around_forward
+from .continuous import ContinuousBatchingBackend, generate_batch_with_logprobs
 from .hf_generate import HFGenerateBackend, generate_with_logprobs, left_pad, position_ids_from_mask, truncate_after_eos
 from .sampling import SampledLogprobRecorder, processed_logprobs, sampling_warpers, split_sampling_config
 from .vllm_backend import VLLMBackend, VLLMSampling
@@ -32,7 +33,6 @@ __all__ = [
     "generate_batch_with_logprobs",
     "generate_with_logprobs",
     "left_pad",
-    "phase_around_forward",
     "position_ids_from_mask",
     "processed_logprobs",
     "sampling_warpers",

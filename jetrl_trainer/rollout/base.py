@@ -1,8 +1,9 @@
 """The rollout-backend interface: completions and the log-prob of each token under its sampler.
 
-A backend is one small object the trainer holds (DESIGN §4); it knows how to sample, not how to
-train. The trainer wraps every call in ``precision_phase("rollout")`` and hands the backend the
-unwrapped policy, so a backend never sees DeepSpeed, accelerate or the trainer.
+A backend is one small object the trainer holds (docs/architecture.md); it knows how to sample, not
+how to train. The trainer makes every call inside its ``precision_phases.rollout()`` block
+(`jetrl_trainer.quant.PrecisionPhases`) and hands the backend the unwrapped policy, so a backend
+never sees DeepSpeed, accelerate or the trainer.
 
 ``Rollout.logprobs`` is ``None`` when a backend cannot record what its sampler drew from (beam
 search; a ``generate`` wrapper that dropped our recorder; a diffusion sampler, whose tokens come
@@ -42,7 +43,7 @@ class RolloutBackend(ABC):
 
     @abstractmethod
     def generate(self, model: nn.Module, prompt_ids: Sequence[Sequence[int]], sampling: Any) -> Rollout:
-        """Sample one completion per prompt with ``model`` in the active precision phase.
+        """Sample one completion per prompt with ``model`` in the model's precision phase.
 
         ``sampling`` is the backend's settings object: a ``GenerationConfig`` for the autoregressive
         backends, a `DiffusionSampling` for the diffusion sampler.

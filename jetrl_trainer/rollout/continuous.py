@@ -4,50 +4,23 @@ transformers (>= 5.8) can return the log-prob of each sampled token under the pr
 distribution (``ContinuousBatchingConfig.return_logprobs``): log of the softmax of the warped scores
 it sampled from. TRL 1.16 discards them (its CB branch returns ``logprobs=None``); we keep them.
 
-The CB engine runs the model in a background thread. Precision phases are thread-local (a rollout
-thread must not flip the trainer's phase), so entering ``precision_phase("rollout")`` in the caller
-would not reach it: `phase_around_forward` enters the phase inside every forward of the model,
-in whichever thread runs it.
+The CB engine runs the model in a background thread. The precision phase is the model's own (its
+``QuantLinear``s carry it, `jetrl_trainer.quant.PrecisionPhases`), so the caller's rollout block
+reaches that thread too.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 from transformers import GenerationConfig
 
-from jetrl_trainer.quant.phase import precision_phase
-
 from .base import Rollout, RolloutBackend
 
-__all__ = ["ContinuousBatchingBackend", "generate_batch_with_logprobs", "phase_around_forward"]
-
-
-@contextlib.contextmanager
-def phase_around_forward(model: nn.Module, phase: str) -> Iterator[None]:
-    """While active, every ``model(...)`` call runs inside ``precision_phase(phase)``, in any thread."""
-    local = threading.local()
-
-    def enter(module, args):
-        ctx = precision_phase(phase)
-        ctx.__enter__()
-        local.stack = [*getattr(local, "stack", []), ctx]
-
-    def leave(module, args, output):
-        local.stack.pop().__exit__(None, None, None)
-
-    pre = model.register_forward_pre_hook(enter)
-    post = model.register_forward_hook(leave, always_call=True)
-    try:
-        yield
-    finally:
-        pre.remove()
-        post.remove()
+__all__ = ["ContinuousBatchingBackend", "generate_batch_with_logprobs"]
 
 
 @torch.no_grad()
@@ -56,10 +29,11 @@ def generate_batch_with_logprobs(
     prompt_ids: Sequence[Sequence[int]],
     generation_config: GenerationConfig,
     continuous_batching_config,
-    *,
-    phase: str = "rollout",
 ) -> tuple[list[list[int]], list[list[float]]]:
     """Sample one completion per prompt with ``model.generate_batch``; ids and sampling log-probs.
+
+    The model runs in its own precision phase: call it inside ``PrecisionPhases(model).rollout()``
+    for a rollout.
 
     ``continuous_batching_config`` (a ``transformers.generation.ContinuousBatchingConfig``) is
     copied with ``return_logprobs=True`` and ``use_cuda_graph=False``: a captured graph would keep
@@ -72,13 +46,12 @@ def generate_batch_with_logprobs(
     cb_config.use_cuda_graph = False
     was_training = model.training
     try:
-        with phase_around_forward(model, phase):
-            outputs = model.generate_batch(
-                [list(p) for p in prompt_ids],
-                generation_config=generation_config,
-                continuous_batching_config=cb_config,
-                progress_bar=False,
-            )
+        outputs = model.generate_batch(
+            [list(p) for p in prompt_ids],
+            generation_config=generation_config,
+            continuous_batching_config=cb_config,
+            progress_bar=False,
+        )
     finally:
         model.train(was_training)
     if len(outputs) != len(prompt_ids):

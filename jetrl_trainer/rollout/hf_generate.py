@@ -71,8 +71,8 @@ def generate_with_logprobs(
     """Sample one completion per prompt; return completion ids and per-token sampling log-probs.
 
     Both lists are cut after the first EOS. The log-probs are ``None`` where they cannot be
-    recorded (see `HFGenerateBackend`). Runs in whatever precision phase is active: the caller
-    wraps it in ``precision_phase("rollout")``.
+    recorded (see `HFGenerateBackend`). Runs the model in its own precision phase: the caller
+    wraps it in ``PrecisionPhases(model).rollout()``.
     """
     rollout = HFGenerateBackend(
         pad_token_id=pad_token_id, eos_token_ids=eos_token_ids, pad_to_multiple_of=pad_to_multiple_of, device=device

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from jetrl_trainer.quant import precision_phase
+from jetrl_trainer.quant import PrecisionPhases
 
 __all__ = ["evaluate_policy"]
 
@@ -41,7 +41,7 @@ def evaluate_policy(trainer: Any, task: Any, dataset: Any, *, phase: str = "trai
     was_training = model.training
     model.eval()
     completion_ids: list[list[int]] = []
-    with precision_phase(phase):
+    with PrecisionPhases(model).use(phase):
         for start in range(0, len(prompt_ids), batch_size):
             batch = prompt_ids[start : start + batch_size]
             completion_ids += trainer.rollout_backend.generate(model, batch, sampling).completion_ids

@@ -33,7 +33,6 @@ from torch import Tensor, nn
 
 from jetrl_trainer.quant._dispatch import act_quant_fp8, decode_gemm_module
 from jetrl_trainer.quant.linear import QuantLinear
-from jetrl_trainer.quant.phase import current_phase
 from jetrl_trainer.quant.recipe import FP8Recipe
 from jetrl_trainer.quant.stats import record_gemm
 
@@ -98,7 +97,7 @@ class GroupedProjection:
     def _launch(self, x: Tensor) -> tuple | None:
         """(decode-GEMM module, the modules' FP8 recipe) where the group's launch can run on ``x``, else
         None: every module must run one FP8 recipe (scale format and decode-GEMM settings)."""
-        recipes = {m.recipes[current_phase()] for m in self.modules}
+        recipes = {m.recipes[m.phase] for m in self.modules}
         recipe = recipes.pop() if len(recipes) == 1 else None
         if not isinstance(recipe, FP8Recipe):
             return None
@@ -120,14 +119,13 @@ class GroupedProjection:
         # A fused producer's pair is served as is.
         pair = act_quant_fp8(x.reshape(-1, x.shape[-1]), recipe.scale_format, settings=recipe.kernels)
         weights = [m.quantized_weight(recipe) for m in self.modules]
-        phase = current_phase()
-        for _ in self.modules:
-            record_gemm(phase, recipe.name)
+        for m in self.modules:
+            record_gemm(m.phase, recipe.name)
         return module, pair, weights, recipe.decode_gemm
 
     def input_scale_format(self) -> str | None:
-        """The FP8 scale format the group quantizes its input with in the active phase, or None."""
-        recipe = self.modules[0].recipes[current_phase()]
+        """The FP8 scale format the group quantizes its input with in its phase, or None."""
+        recipe = self.modules[0].recipes[self.modules[0].phase]
         return recipe.scale_format if isinstance(recipe, FP8Recipe) else None
 
 
