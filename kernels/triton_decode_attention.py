@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from ._triton_support import call_op, cdiv, check_scale_format, load_jit, pdl_launch, sm_count
+from .settings import DecodeAttentionSettings
 from .triton_rope_append import check_kv_scales
 
 __all__ = ["decode_attention", "decode_attention_reference", "plan_splits"]
@@ -156,7 +157,7 @@ def decode_attention(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, lengths: Tensor, scale: float, *,
     splits: Optional[int] = None, k_scale: Optional[Tensor] = None, v_scale: Optional[Tensor] = None,
     block_n: int = BLOCK_N, flash_order: bool = FLASH_ORDER, quantize_output: Optional[str] = None,
-    pads: Optional[Tensor] = None,
+    pads: Optional[Tensor] = None, settings: Optional[DecodeAttentionSettings] = None,
 ) -> Tensor | tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """Attention of ``q`` ``(B, H, D)`` over each row's live cached positions; see the module table.
 
@@ -169,7 +170,8 @@ def decode_attention(
     ``pads`` ``[B]`` (integers >= 0): how many left-padding positions precede row ``b``'s first cached
     one in the training forward's padded batch. A tiled training kernel starts its tiles at the padded
     row's position 0, so row ``b``'s tiles here start ``pads[b] mod block_n`` positions early (masked),
-    on the same boundaries; the sums then follow that kernel's order on padded rows too."""
+    on the same boundaries; the sums then follow that kernel's order on padded rows too. ``settings``:
+    the caller's launch settings (accepted; the launch still reads ``LAUNCH`` until they are wired)."""
     if q.device.type != "cuda":
         raise ValueError("decode_attention is a CUDA kernel; on CPU use decode_attention_reference.")
     B, H, D = q.shape

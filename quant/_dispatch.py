@@ -66,17 +66,19 @@ def decode_gemm_module(x2d: torch.Tensor, max_m: Optional[int] = None) -> Option
 
 def decode_linear_fp8(
     x2d: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, bias: Optional[torch.Tensor], scale_format: str,
-    out_dtype: torch.dtype,
+    out_dtype: torch.dtype, *, prequantized: Optional[Pair] = None,
 ) -> Optional[torch.Tensor]:  # fmt: skip
     """A decode-sized FP8 linear (M <= ``DECODE_MAX_M`` rows) through the split-K decode kernel, or
     None where the general path (act quant + ``fp8_gemm_nt``) must run: off CUDA, without the
-    kernel, for larger M, or when a GEMM backend is forced. The activation's quantization is the one
-    a fused producer offered, else computed by the act-quant kernel or in the GEMM's prologue
-    (M <= ``PROLOGUE_MAX_M``, off by default); all three give the same bits."""
+    kernel, for larger M, or when a GEMM backend is forced. The activation's quantization is
+    ``prequantized`` (the caller's, in ``scale_format``) or the one a fused producer offered, else computed
+    by the act-quant kernel or in the GEMM's prologue (M <= ``PROLOGUE_MAX_M``, off by default); all give
+    the same bits."""
     module = decode_gemm_module(x2d)
     if module is None:
         return None
-    prequantized = take_prequantized(x2d, scale_format)
+    if prequantized is None:
+        prequantized = take_prequantized(x2d, scale_format)
     if prequantized is not None:
         return module.fp8_decode_gemm_nt(*prequantized, w_q, w_s, bias, out_dtype=out_dtype)
     if x2d.shape[0] > module.PROLOGUE_MAX_M:
