@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from jetrl_trainer.kernels import programmatic_dependent_launch, triton_available
+from jetrl_trainer.kernels import triton_available
 
 from .kv_cache import KVCache
 from .sampling import TokenSampler
@@ -62,8 +62,7 @@ class DecodeGraphs:
 
     def _run(self, b: _Bucket) -> tuple[Tensor, Tensor]:
         self.cache.lengths[self.scratch :].zero_()  # a device fill: no host copy inside the capture
-        with programmatic_dependent_launch(self.engine.programmatic_dependent_launch):
-            logits = self.engine.decode_step(self.cache, b.slots, b.tokens, kernel=True)
+        logits = self.engine.decode_step(self.cache, b.slots, b.tokens)
         return self.sampler.sample(logits, b.seeds, b.steps)
 
     def _capture(self, rows: int) -> _Bucket:
