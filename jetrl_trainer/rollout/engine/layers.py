@@ -25,7 +25,9 @@ from torch import Tensor, nn
 
 from jetrl_trainer import kernels
 
-from .projections import Activation, SplitSums, fp8_format, linear
+from jetrl_trainer.quant.fused import _fp8_format as fp8_format  # the format a QuantLinear quantizes its input in
+
+from .projections import Activation, SplitSums, linear
 from .residual import ResidualStream
 
 if TYPE_CHECKING:
@@ -100,21 +102,21 @@ def mlp_block(view: DecoderView, i: int, plan: LayerPlan, x: Activation) -> Tens
 def gated_activation(mlp: nn.Module, plan: LayerPlan, x: Activation, gate_up: list[Tensor] | None) -> Activation:
     """The down projection's input from the gate/up outputs (``gate_up``; None: the modules compute
     them, in the order of the MLP's own forward): the SwiGLU + FP8-quant launch, or the MLP's activation."""
-    if plan.mlp == "swiglu_kernel":
+    if hasattr(mlp, "activation"):  # FusedSwiGLUMLP: gate, up, then the SwiGLU
         gate, up = gate_up if gate_up is not None else (linear(mlp.gate_proj, x), linear(mlp.up_proj, x))
-        return swiglu(gate, up, fp8_format(mlp.down_proj))
-    if hasattr(mlp, "activation"):  # FusedSwiGLUMLP without its kernel: the reference
-        gate, up = gate_up if gate_up is not None else (linear(mlp.gate_proj, x), linear(mlp.up_proj, x))
-        return Activation(mlp.activation(gate, up))
+        if plan.mlp == "swiglu_kernel":
+            return swiglu(gate, up, fp8_format(mlp.down_proj))
+        return Activation(mlp.activation(gate, up))  # without its kernel: the reference
     if gate_up is not None:
         return Activation(mlp.act_fn(gate_up[0]) * gate_up[1])
     return Activation(mlp.act_fn(linear(mlp.gate_proj, x)) * linear(mlp.up_proj, x))  # LlamaMLP.forward's order
 
 
-def swiglu(gate: Tensor, up: Tensor, fp8_format: str | None) -> Activation:
-    """``silu(gate) * up`` and its 1x128 FP8 quantization for down in one launch (`FusedSwiGLUMLP`'s kernel)."""
+def swiglu(gate: Tensor, up: Tensor, scale_format: str | None) -> Activation:
+    """``silu(gate) * up`` and its 1x128 FP8 quantization in ``scale_format`` (None: down is not FP8, the
+    pair is not kept) in one launch (`FusedSwiGLUMLP`'s kernel)."""
     h, q, s = kernels.optional_module("triton_swiglu").swiglu_quant_fp8(
-        gate.reshape(-1, gate.shape[-1]), up.reshape(-1, up.shape[-1]), scale_format=fp8_format or "fp32"
+        gate.reshape(-1, gate.shape[-1]), up.reshape(-1, up.shape[-1]), scale_format=scale_format or "fp32"
     )  # fmt: skip
     h = h.view(*gate.shape)
-    return Activation(h, (q, s), fp8_format) if fp8_format is not None else Activation(h)
+    return Activation(h, (q, s), scale_format) if scale_format is not None else Activation(h)

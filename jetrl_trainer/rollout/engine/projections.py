@@ -35,12 +35,13 @@ import torch
 from torch import Tensor, nn
 
 from jetrl_trainer.quant._dispatch import act_quant_fp8, decode_gemm_module
+from jetrl_trainer.quant.fused import _fp8_format as fp8_input_format
 from jetrl_trainer.quant.linear import QuantLinear
 from jetrl_trainer.quant.phase import current_phase
 from jetrl_trainer.quant.recipe import FP8Recipe
 from jetrl_trainer.quant.stats import record_gemm
 
-__all__ = ["QKV_MAX_ROWS", "Activation", "GroupedProjection", "GroupedSplitSums", "SplitSums", "fp8_format", "linear"]
+__all__ = ["QKV_MAX_ROWS", "Activation", "GroupedProjection", "GroupedSplitSums", "SplitSums", "linear"]
 
 # Rows up to which the q/k/v group runs as one decode-kernel launch: measured faster there than
 # separate scaled_mm calls, while gate/up, o and down were not above DECODE_MAX_M (docs/benchmarks.md §7).
@@ -61,15 +62,6 @@ class Activation:
     def pair_for(self, scale_format: Optional[str]) -> Optional[Pair]:
         """The FP8 pair if a consumer quantizing in ``scale_format`` can use it, else None."""
         return self.fp8 if self.fp8 is not None and scale_format == self.scale_format else None
-
-
-def fp8_format(module: Optional[nn.Module]) -> Optional[str]:
-    """The scale format a `QuantLinear` quantizes its input with in the active phase (None: not FP8)."""
-    if isinstance(module, QuantLinear):
-        recipe = module.recipes[current_phase()]
-        if isinstance(recipe, FP8Recipe):
-            return recipe.scale_format
-    return None
 
 
 def linear(module: nn.Module, x: Activation) -> Tensor:
@@ -160,7 +152,7 @@ class GroupedProjection:
 
     def input_scale_format(self) -> str | None:
         """The FP8 scale format the group quantizes its input with in the active phase, or None."""
-        return fp8_format(self.modules[0])
+        return fp8_input_format(self.modules[0])
 
 
 @dataclass
