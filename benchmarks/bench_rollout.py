@@ -30,6 +30,7 @@ import time
 
 import torch
 from _common import copy_bandwidth_gbs, dump, environment, kernels_by_kind, replaced_settings
+from torch.nn.attention import SDPBackend
 from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
 from jetrl_trainer.kernels import available_gemm_backends, use_gemm_backend
@@ -37,7 +38,7 @@ from jetrl_trainer.kernels.settings import DecodeGemmSettings
 from jetrl_trainer.quant import PrecisionPhases, QuantLinear, quantize_model
 from jetrl_trainer.quant.recipe import FP8Recipe
 from jetrl_trainer.rollout import generate_with_logprobs, left_pad, position_ids_from_mask
-from jetrl_trainer.rollout.engine import DecodeEngine
+from jetrl_trainer.rollout.engine import DecodeEngine, EngineSettings
 from jetrl_trainer.rollout.engine import sampling as engine_sampling
 
 PROMPT, DISTINCT = 128, 8
@@ -108,33 +109,6 @@ def set_train_recipe(model, recipe: str) -> None:
             m.set_recipes(train=recipe)
 
 
-def _fp8_rollout_linears(model) -> list[QuantLinear]:
-    return [m for m in model.modules() if isinstance(m, QuantLinear) and isinstance(m.recipes["rollout"], FP8Recipe)]
-
-
-def decode_gemm_settings(model) -> DecodeGemmSettings:
-    """The decode-GEMM settings the model's FP8 rollout recipe runs."""
-    return _fp8_rollout_linears(model)[0].recipes["rollout"].decode_gemm
-
-
-def set_decode_gemm(model, settings: DecodeGemmSettings) -> None:
-    """The model's FP8 rollout recipe with ``settings`` for the decode GEMM (nothing else changed)."""
-    for m in _fp8_rollout_linears(model):
-        if m.recipes["rollout"].decode_gemm != settings:  # a new recipe clears the layer's FP8 weight cache
-            m.set_recipes(rollout=dataclasses.replace(m.recipes["rollout"], decode_gemm=settings))
-
-
-@contextlib.contextmanager
-def rollout_decode_gemm(model, settings: DecodeGemmSettings):
-    """Inside the block, the model's FP8 rollout recipe launches the decode GEMM with ``settings``."""
-    before = decode_gemm_settings(model)
-    set_decode_gemm(model, settings)
-    try:
-        yield
-    finally:
-        set_decode_gemm(model, before)
-
-
 def mismatch(model, ps, completions, logprobs, rows: int = 8) -> float:
     """mean |recorded - FP8 training-phase teacher-forced| over the first ``rows`` rows."""
     ps, completions, logprobs = ps[:rows], completions[:rows], logprobs[:rows]
@@ -152,50 +126,27 @@ def mismatch(model, ps, completions, logprobs, rows: int = 8) -> float:
     return (lp.cpu() - torch.tensor(logprobs)).abs().mean().item()
 
 
-# Engine variants for --variants: the engine of 2026-12-02 against the code before it (attention
-# launch, fused q/k norms, decode-GEMM split length), without the q/k-norm fusion alone, and
-# without the grouped q/k/v and gate/up launches (the code of 2026-12-02's runs 7-9).
+# Engine variants for --variants: the shipped engine against each of its choices undone (EngineSettings
+# fields), and the sampler's draw through one FP64 cumulative sum, as before the two-level draw.
 VARIANTS = {
-    "shipped": dict(attention={}, fuse_qk_norms=True, min_groups_per_split=None),
-    "before": dict(attention=dict(splits=8, block_n=32, flash_order=False), fuse_qk_norms=False, min_groups_per_split=1,
-                   look_ahead=False),
-    "unfused_qk": dict(attention={}, fuse_qk_norms=False, min_groups_per_split=None),
-    "no_look_ahead": dict(attention={}, fuse_qk_norms=True, min_groups_per_split=None, look_ahead=False),
-    "ungrouped": dict(attention={}, fuse_qk_norms=True, min_groups_per_split=None, grouped=False, fused_epilogues=False),
+    "shipped": dict(settings={}),
+    "no_look_ahead": dict(settings=dict(look_ahead=False)),
+    "ungrouped": dict(settings=dict(grouped_projections=False, fused_epilogues=False)),
     # Without the fused epilogues (residual adds and split-K reductions in the next RMSNorm, the o
-    # projection's act quant in attention): the code of 2026-12-02's runs 10-14.
-    "unfused_epilogues": dict(attention={}, fuse_qk_norms=True, min_groups_per_split=None, fused_epilogues=False),
-    # The q/k/v group on the decode kernel only up to the recipe's decode_gemm.max_m rows, as before QKV_MAX_ROWS.
-    "qkv64": dict(attention={}, fuse_qk_norms=True, min_groups_per_split=None, qkv_max_rows=64),
-    # Decode attention in 64-position tiles, newest first (flash attention's order), as before the
-    # engine matched the training forward's SDPA backend (oldest first, 128 positions under cuDNN).
-    "flash64": dict(attention=dict(block_n=64, flash_order=True), fuse_qk_norms=True, min_groups_per_split=None),
-    # The q/k/v split-K reduction in a launch of its own, as before DecodeEngine.fused_qkv_reduce.
-    "unfused_qkv": dict(attention={}, fuse_qk_norms=True, min_groups_per_split=None, fused_qkv=False),
-    # The sampler's draw through one (B, V) FP64 cumulative sum, as before the two-level draw.
-    "one_level_sampler": dict(attention={}, fuse_qk_norms=True, min_groups_per_split=None, one_level_sampler=True),
+    # projection's act quant in attention).
+    "unfused_epilogues": dict(settings=dict(fused_epilogues=False)),
+    # Decode attention in 64-position tiles, newest first (flash attention's order), whatever the
+    # training forward's SDPA backend (oldest first, 128 positions under cuDNN).
+    "flash64": dict(settings=dict(attention_order=SDPBackend.FLASH_ATTENTION)),
+    # The q/k/v split-K reduction in a launch of its own.
+    "unfused_qkv": dict(settings=dict(fused_qkv_reduce=False)),
+    "one_level_sampler": dict(settings={}, one_level_sampler=True),
 }
 VARIANT = VARIANTS["shipped"]
 
 
 def new_engine(model, **kwargs) -> DecodeEngine:
-    engine = DecodeEngine(model, **kwargs)
-    engine.attention_options.update(VARIANT["attention"])
-    engine.look_ahead = VARIANT.get("look_ahead", True)
-    engine.grouped_projections = VARIANT.get("grouped", True)
-    engine.fused_epilogues = VARIANT.get("fused_epilogues", True)
-    engine.fused_qkv_reduce = VARIANT.get("fused_qkv", True)
-    if not VARIANT["fuse_qk_norms"]:
-        engine.view.qk_norms = []  # the q/k norm modules run on their own, as before the fused launch
-    if "qkv_max_rows" in VARIANT:
-        limit_qkv_rows(engine, VARIANT["qkv_max_rows"])
-    return engine
-
-
-def limit_qkv_rows(engine: DecodeEngine, rows: int) -> None:
-    for group in engine.view.qkv_groups:
-        if group is not None:
-            group.max_rows = rows
+    return DecodeEngine(model, settings=EngineSettings(**VARIANT["settings"]), **kwargs)
 
 
 def one_level_draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -216,14 +167,11 @@ def sampler_draw(one_level: bool):
 
 
 @contextlib.contextmanager
-def engine_variant(model, name: str):
+def engine_variant(name: str):
     global VARIANT
     saved, VARIANT = VARIANT, VARIANTS[name]
-    settings = decode_gemm_settings(model)
-    if VARIANT["min_groups_per_split"]:
-        settings = dataclasses.replace(settings, min_groups_per_split=VARIANT["min_groups_per_split"])
     try:
-        with rollout_decode_gemm(model, settings), sampler_draw(VARIANT.get("one_level_sampler", False)):
+        with sampler_draw(VARIANT.get("one_level_sampler", False)):
             yield
     finally:
         VARIANT = saved
@@ -234,8 +182,8 @@ def warm_up(model, ps, config, batch: int, kv_cache_dtype: str) -> None:
     step apart walk the live batch down through every CUDA-graph bucket (each a new GEMM M)."""
     rows = min(batch, len(ps))
     short = GenerationConfig(**{**config.to_dict(), "max_new_tokens": rows + 1})
-    new_engine(model, kv_cache_dtype=kv_cache_dtype, max_batch_size=batch).generate(
-        ps[:rows], short, eos_token_ids=[-1], seed=0, row_budgets=[i + 1 for i in range(rows)]
+    new_engine(model, kv_cache_dtype=kv_cache_dtype).generate(
+        ps[:rows], short, eos_token_ids=[-1], seed=0, max_batch_size=batch, row_budgets=[i + 1 for i in range(rows)]
     )
 
 
@@ -266,8 +214,9 @@ def run_case(
         with torch.no_grad(), PrecisionPhases(model).use(phase):
             if backend.startswith("engine"):
                 kept = backend == "engine_kept"
-                engine = new_engine(model, kv_cache_dtype=kv[0] if kv else "auto", max_batch_size=batch, keep_state=kept)
-                fn = lambda: engine.generate(ps, config, eos_token_ids=[-1], seed=0, row_budgets=budgets)  # noqa: E731
+                engine = new_engine(model, kv_cache_dtype=kv[0] if kv else "auto", keep_state=kept)
+                fn = lambda: engine.generate(ps, config, eos_token_ids=[-1], seed=0, max_batch_size=batch,  # noqa: E731
+                                             row_budgets=budgets)  # fmt: skip
                 warm_up(model, ps, config, batch, kv[0] if kv else "auto")
                 if kept:
                     fn()  # allocates the cache and captures the graphs; the timed rollout reuses them
@@ -313,7 +262,7 @@ def kernel_breakdown(step, steps: int = 3) -> dict:
     return kernels_by_kind(step, steps, _KERNEL_KINDS)
 
 
-PROFILED = ("bf16", "fp8", "fp8_qkv64", "fp8_unfused", "fp8_ungrouped", "fp8_general", "fp8_unfused_qkv")
+PROFILED = ("bf16", "fp8", "fp8_unfused", "fp8_ungrouped", "fp8_general", "fp8_unfused_qkv")
 # Also accepted by --profile: any name with "_cumsum" appended: the sampler's one-level draw
 # (`one_level_draw`), and with "_flash64": the attention arithmetic of the "flash64" variant.
 
@@ -334,14 +283,13 @@ def profile_step(model, batch: int, new: int, precisions: tuple[str, ...] = PROF
         forced = use_gemm_backend(general) if precision == "fp8_general" else contextlib.nullcontext()
         phase = "train" if precision.startswith("bf16") else "rollout"
         with torch.no_grad(), PrecisionPhases(model).use(phase), forced, sampler_draw(name.endswith("_cumsum")):
-            engine = DecodeEngine(model)
-            if "_flash64" in name:
-                engine.attention_options.update(VARIANTS["flash64"]["attention"])
-            engine.grouped_projections = precision != "fp8_ungrouped"
-            engine.fused_epilogues = precision not in ("fp8_unfused", "fp8_ungrouped")
-            engine.fused_qkv_reduce = precision != "fp8_unfused_qkv"
-            if precision == "fp8_qkv64":
-                limit_qkv_rows(engine, 64)
+            settings = EngineSettings(
+                grouped_projections=precision != "fp8_ungrouped",
+                fused_epilogues=precision not in ("fp8_unfused", "fp8_ungrouped"),
+                fused_qkv_reduce=precision != "fp8_unfused_qkv",
+                **(VARIANTS["flash64"]["settings"] if "_flash64" in name else {}),
+            )
+            engine = DecodeEngine(model, settings=settings)
             v = engine.view
             cache = KVCache(num_layers=len(v.layers), num_slots=batch + 1, max_len=PROMPT + new,
                             num_kv_heads=v.num_kv_heads, head_dim=v.head_dim, dtype=v.dtype, device=v.device)
@@ -363,7 +311,7 @@ def profile_step(model, batch: int, new: int, precisions: tuple[str, ...] = PROF
 
             def eager_step():
                 cache.lengths.copy_(lengths)
-                sampler.sample(engine.decode_step(cache, slots, tokens, kernel=True), seeds, steps)
+                sampler.sample(engine.decode_step(cache, slots, tokens), seeds, steps)
 
             out[name] = dict(
                 replay_ms=round(bench_ms(replay), 3),
@@ -385,7 +333,7 @@ def main() -> None:
     ap.add_argument("--profile", default=",".join(PROFILED),
                     help=f"comma list of the engines the step profile covers ({', '.join(PROFILED)}; '' for none): fp8_unfused "
                          "without the fused epilogues, fp8_ungrouped without those and the grouped launches, "
-                         "fp8_general on the general GEMM path, fp8_qkv64 with q/k/v grouped up to 64 rows only, "
+                         "fp8_general on the general GEMM path, "
                          "fp8_unfused_qkv with the q/k/v split-K reduction in a launch of its own; "
                          "any of them + '_cumsum': with the sampler's one-level FP64 cumulative sum, "
                          "+ '_flash64': with the flash64 variant's attention tiles")  # fmt: skip
@@ -417,7 +365,7 @@ def main() -> None:
     if args.variants:
         rows = []
         for name in args.variants.split(","):
-            with engine_variant(model, name):
+            with engine_variant(name):
                 for b in map(int, args.batches.split(",")):
                     for row in run_case(model, b, args.new, gbs, True, False, args.kv_only and name == "shipped"):
                         rows.append(dict(variant=name, **row))

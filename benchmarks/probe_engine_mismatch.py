@@ -24,13 +24,15 @@ import statistics
 import torch
 import torch.nn.functional as F
 from _common import bench_ms, dump, environment
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from bench_rollout import build_model, mismatch
 from transformers import GenerationConfig
 
-import jetrl_trainer.rollout.engine.engine as engine_module
+import jetrl_trainer.rollout.engine.attention as engine_attention
+from jetrl_trainer.kernels.settings import DecodeAttentionSettings
 from jetrl_trainer.quant import PrecisionPhases
 from jetrl_trainer.rollout import generate_with_logprobs
-from jetrl_trainer.rollout.engine import DecodeEngine
+from jetrl_trainer.rollout.engine import DecodeEngine, EngineSettings
 
 PROMPT = 128
 RAGGED = [256, 200, 131, 100, 77, 40, 250, 129]  # --ragged: pads 0, 56, 125, 156, 179, 216, 6, 127
@@ -66,11 +68,12 @@ def sdpa_kernel_attention(q, k_cache, v_cache, slots, lengths, scale, **options)
     return sdpa_decode(q, k_cache[slots], v_cache[slots], lengths, scale)
 
 
-def kernel_us(options: dict, cache: int = 384) -> dict:
-    """Microseconds per decode-attention call (8B shape: 32 / 8 heads of 128), live length 2/3 of ``cache``
-    (caches past 512 positions are split over several programs at small batches, unless ``splits`` says)."""
+def kernel_us(engine: DecodeEngine, cache: int = 384) -> dict:
+    """Microseconds per decode-attention call as ``engine`` launches it (8B shape: 32 / 8 heads of 128), live
+    length 2/3 of ``cache`` (caches past 512 positions are split over several programs at small batches)."""
     from jetrl_trainer.kernels.triton_decode_attention import decode_attention
 
+    options = dict(engine.attention_arithmetic, settings=engine.settings.attention)
     out = {}
     for batch in (8, 64, 256):
         q = torch.randn(batch, 32, 128, device="cuda", dtype=torch.bfloat16)
@@ -87,29 +90,19 @@ def patched_decode(decode, kernel_attention=None):
     """The eager path's decode attention, and the kernel path's attention kernel, replaced."""
     from jetrl_trainer.kernels import triton_decode_attention as kernel_module
 
-    saved, saved_kernel = engine_module.decode_attention, kernel_module.decode_attention
-    engine_module.decode_attention = decode or saved
+    saved, saved_kernel = engine_attention.decode_attention, kernel_module.decode_attention
+    engine_attention.decode_attention = decode or saved
     kernel_module.decode_attention = kernel_attention or saved_kernel
     try:
         yield
     finally:
-        engine_module.decode_attention, kernel_module.decode_attention = saved, saved_kernel
+        engine_attention.decode_attention, kernel_module.decode_attention = saved, saved_kernel
 
 
 def build_engine(model, spec: dict) -> DecodeEngine:
-    engine = DecodeEngine(model, cuda_graphs=spec.get("graphs", True))
-    engine.attention_options.update(spec.get("attention", {}))
-    engine.grouped_projections = spec.get("grouped", True)
-    engine.fused_epilogues = spec.get("fused", True)
-    if spec.get("kernel_eager"):  # the kernel path (Triton RoPE/append, grouped GEMMs) without graphs
-        engine.cuda_graphs = False
-        step = engine.decode_step  # the kernels index slots and tokens as contiguous vectors (graphs copy them so)
-
-        def kernel_step(cache, slots, tokens):
-            return step(cache, slots.contiguous(), tokens.contiguous(), kernel=True)
-
-        engine.decode_step = kernel_step
-    return engine
+    """The engine a variant names: ``spec["settings"]``, EngineSettings' keywords (``decode_path="kernels"``:
+    the kernel path without graphs, Triton RoPE/append and grouped GEMMs launched eagerly)."""
+    return DecodeEngine(model, settings=EngineSettings(**spec.get("settings", {})))
 
 
 def main() -> None:
@@ -132,22 +125,22 @@ def main() -> None:
     ps = [torch.randint(100, 150000, (lengths[i % len(lengths)],), generator=g).tolist() for i in range(args.rows)]
     config = GenerationConfig(max_new_tokens=args.new, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
                               pad_token_id=0, eos_token_id=[-1])  # fmt: skip
-    plain = dict(grouped=False, fused=False, kernel_eager=True)  # one module call per projection
+    plain = dict(decode_path="kernels", grouped_projections=False, fused_epilogues=False)  # a module call a projection
+    grouped = dict(plain, grouped_projections=True)
     variants = {
         "hf": None,
         "engine": dict(),
-        "engine, 64-position tiles in flash order": dict(attention=dict(block_n=64, flash_order=True)),
-        "engine, 128-position tiles oldest first": dict(attention=dict(block_n=128, flash_order=False)),
+        "engine, 64-position tiles in flash order": dict(settings=dict(attention_order=SDPBackend.FLASH_ATTENTION)),
+        "engine, 128-position tiles oldest first": dict(settings=dict(attention_order=SDPBackend.CUDNN_ATTENTION)),
         # One pass over each row's KV whatever the batch: the order the training forward sums in; differs
         # from "engine" only where the cache passes 512 positions and the batch is small (--new > 384).
-        "engine, one KV split": dict(attention=dict(splits=1)),
+        "engine, one KV split": dict(settings=dict(attention=DecodeAttentionSettings(min_tiles_per_split=1 << 20))),
         # Isolation: the kernel path without graphs, one component changed at a time.
-        "kernel path eager, ungrouped, unfused": dict(plain),
-        "kernel path eager, ungrouped, unfused, SDPA attention": dict(plain, kernel_attention=sdpa_kernel_attention),
-        "kernel path eager, grouped, unfused": dict(plain, grouped=True),
-        "kernel path eager, grouped, unfused, SDPA attention": dict(plain, grouped=True,
-                                                                    kernel_attention=sdpa_kernel_attention),
-        "engine eager (model's RoPE), SDPA attention": dict(decode=sdpa_decode, graphs=False),
+        "kernel path eager, ungrouped, unfused": dict(settings=plain),
+        "kernel path eager, ungrouped, unfused, SDPA attention": dict(settings=plain, kernel_attention=sdpa_kernel_attention),
+        "kernel path eager, grouped, unfused": dict(settings=grouped),
+        "kernel path eager, grouped, unfused, SDPA attention": dict(settings=grouped, kernel_attention=sdpa_kernel_attention),
+        "engine eager (model's RoPE), SDPA attention": dict(decode=sdpa_decode, settings=dict(decode_path="torch")),
     }
     if args.ragged:
         variants["engine, tiles not lined up with the padded rows"] = dict(unaligned=True)
@@ -156,8 +149,6 @@ def main() -> None:
     rows = {}
     backend = contextlib.nullcontext
     if args.attention_backend != "default":
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
         backend = functools.partial(sdpa_kernel, getattr(SDPBackend, args.attention_backend))
     for name, spec in variants.items():
         try:
@@ -188,8 +179,9 @@ def measure(model, ps, config, spec, args, backend) -> dict:
             first.append(mismatch(model, ps, [r[:1] for r in ids], [r[:1] for r in lps], rows=args.rows))
     row = dict(mean_abs=[round(x, 4) for x in values], mean=round(statistics.mean(values), 4),
                first_token=round(statistics.mean(first), 4))  # fmt: skip
-    if spec is not None and not ({"decode", "kernel_attention", "kernel_eager", "unaligned"} & spec.keys()):
-        row["kernel_us"] = kernel_us(spec.get("attention", {}), cache=max(map(len, ps)) + args.new)  # as the engine sizes it
+    settings = (spec or {}).get("settings", {})
+    if spec is not None and not ({"decode", "kernel_attention", "unaligned"} & spec.keys()) and "decode_path" not in settings:
+        row["kernel_us"] = kernel_us(build_engine(model, spec), cache=max(map(len, ps)) + args.new)  # as the engine sizes it
     return row
 
 

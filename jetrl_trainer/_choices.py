@@ -15,6 +15,7 @@ import torch
 
 __all__ = [
     "COMPILE_MODES",
+    "DECODE_PATHS",
     "FLOAT_DTYPES",
     "GRANULARITIES",
     "KV_CACHE_DTYPES",
@@ -46,6 +47,9 @@ ROLLOUT_BACKENDS: tuple[str, ...] = ("auto", "hf", "continuous", "engine", "vllm
 # The decode engine's KV cache: "auto" = the model dtype; "fp8" = E4M3 with one FP32 scale per
 # (token, KV head), a departure from the training forward (allowed only with a corrector).
 KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8")
+# How the decode engine runs its step: Triton kernels in CUDA graphs, the same kernels eager, or the
+# model's modules with SDPA (rollout/engine/settings.py).
+DECODE_PATHS: tuple[str, ...] = ("graphs", "kernels", "torch")
 UNRELEASED_ROLLOUT_BACKENDS: tuple[str, ...] = ()  # announced backends refused until they ship (none now)
 # rollout_precision values a vLLM rollout can run: its BF16 (checkpoint-dtype) model. FP8 in vLLM would
 # quantize the synced weights in vLLM's own kernels (not our quant modules): not built, so refused.

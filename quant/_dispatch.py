@@ -69,17 +69,20 @@ def decode_gemm_module(x2d: torch.Tensor, max_m: int) -> Optional[ModuleType]:
 
 def decode_linear_fp8(
     x2d: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, bias: Optional[torch.Tensor], recipe: FP8Recipe,
-    out_dtype: torch.dtype,
+    out_dtype: torch.dtype, *, prequantized: Optional[Pair] = None,
 ) -> Optional[torch.Tensor]:  # fmt: skip
     """A decode-sized FP8 linear (M <= ``recipe.decode_gemm.max_m`` rows) through the split-K decode
     kernel, launched with ``recipe.decode_gemm``, or None where the general path (act quant +
     ``fp8_gemm_nt``) must run: off CUDA, without the kernel, for larger M, or inside a
-    ``use_gemm_backend`` block. The activation's quantization is the one a fused producer offered,
-    else the act-quant kernel's (the same bits)."""
+    ``use_gemm_backend`` block. The activation's quantization is ``prequantized`` (the caller's, in
+    the recipe's scale format), else the one a fused producer offered, else the act-quant kernel's
+    (the same bits)."""
     module = decode_gemm_module(x2d, recipe.decode_gemm.max_m)
     if module is None:
         return None
-    x_q, x_s = act_quant_fp8(x2d, recipe.scale_format, settings=recipe.kernels)  # serves a fused producer's pair
+    if prequantized is None:
+        prequantized = act_quant_fp8(x2d, recipe.scale_format, settings=recipe.kernels)  # serves a fused producer's pair
+    x_q, x_s = prequantized
     return module.fp8_decode_gemm_nt(x_q, x_s, w_q, w_s, bias, out_dtype=out_dtype, settings=recipe.decode_gemm)
 
 

@@ -127,32 +127,6 @@ class FusedRMSNorm(nn.Module):
             offer_prequantized(y, q, s, fmt)
         return y
 
-    def add_forward(
-        self, residual: torch.Tensor, delta: Optional[torch.Tensor] = None, *, parts: Optional[torch.Tensor] = None,
-        bias: Optional[torch.Tensor] = None,
-    ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
-        """``(h, self(h))`` for ``h = residual + delta`` in one kernel (the decode engine's residual add
-        fused into this norm), or None where that kernel cannot run: off CUDA, under autograd, or
-        ``delta`` of another dtype. Give ``delta`` (``residual``-shaped), or the FP32 split-K partial
-        sums ``parts [S, M, K]`` of a decode GEMM with its ``bias``
-        (``kernels.triton_norm.add_rmsnorm_quant_fp8``); either way the bits of the unfused add
-        followed by this module's forward."""
-        if (delta is None) == (parts is None):
-            raise ValueError("give add_forward either delta or parts.")
-        if not _use_kernels(residual, "triton_norm") or torch.is_grad_enabled():
-            return None
-        if delta is not None and (delta.dtype != residual.dtype or delta.shape != residual.shape):
-            return None
-        fmt = _fp8_format(self._consumer())
-        r2d = residual.reshape(-1, residual.shape[-1])
-        d = parts if parts is not None else delta.reshape(-1, delta.shape[-1])
-        kernel = _gpu("triton_norm").add_rmsnorm_quant_fp8
-        h, y, q, s = kernel(r2d, d, self.weight, self.variance_epsilon, bias=bias, scale_format=fmt or "fp32")
-        y = y.view(*residual.shape[:-1], y.shape[-1])
-        if fmt is not None:
-            offer_prequantized(y, q, s, fmt)
-        return h.view(residual.shape), y
-
 
 # ---------------------------------------------------------------------------------------------
 # SwiGLU MLP

@@ -92,9 +92,9 @@ def _add_bias(y32: torch.Tensor, bias: Optional[torch.Tensor], out_dtype: torch.
 # ---------------------------------------------------------------------------------------------
 
 
-def _fp8_forward(x2d, w_q, w_s, bias, recipe: FP8Recipe, out_dtype: torch.dtype):
+def _fp8_forward(x2d, w_q, w_s, bias, recipe: FP8Recipe, out_dtype: torch.dtype, x_fp8=None):
     # Y [M, N] = X_q [M, K] (1x128 groups along K) ⊗ W_q [N, K] (128x128 blocks), FP32 accumulation
-    x_q, x_s = act_quant_fp8(x2d, recipe.scale_format, settings=recipe.kernels)
+    x_q, x_s = x_fp8 if x_fp8 is not None else act_quant_fp8(x2d, recipe.scale_format, settings=recipe.kernels)
     gemm_dtype = torch.float32 if bias is not None else out_dtype
     y = fp8_gemm_nt((x_q, x_s), (w_q, w_s), b_granularity="block", out_dtype=gemm_dtype)
     return _add_bias(y, bias, out_dtype), x_q, x_s
@@ -402,6 +402,14 @@ class QuantLinear(PhaseAware, nn.Linear):
     # -- forward --------------------------------------------------------------------------------
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_prequantized(x, None, None)
+
+    def forward_prequantized(self, x: torch.Tensor, x_fp8: Optional[tuple[torch.Tensor, torch.Tensor]],
+                             scale_format: Optional[str]) -> torch.Tensor:  # fmt: skip
+        """``self(x)`` given ``x_fp8``, the 1×128 FP8 quantization ``(q, s)`` of ``x`` in ``scale_format``
+        that the launch which wrote ``x`` produced (the decode engine's fused norms, SwiGLU and
+        attention): an FP8 recipe in that format without autograd uses it instead of quantizing ``x``
+        again (the same bits); anything else ignores it."""
         recipe = self.recipes[self.phase]
         record_gemm(self.phase, recipe.name)
         if not recipe.quantized:
@@ -410,12 +418,15 @@ class QuantLinear(PhaseAware, nn.Linear):
         if x.dim() < 1 or x.shape[-1] != self.in_features:
             raise ValueError(f"QuantLinear expects input [*, {self.in_features}]; got shape {tuple(x.shape)}.")
         if torch.is_autocast_enabled(x.device.type):  # match nn.Linear under autocast
+            x_fp8 = x_fp8 if x.dtype == torch.get_autocast_dtype(x.device.type) else None
             x = x.to(torch.get_autocast_dtype(x.device.type))
+        if not isinstance(recipe, FP8Recipe) or recipe.scale_format != scale_format:
+            x_fp8 = None
         x2d = x.reshape(-1, self.in_features)
-        y2d = self._forward_2d(x2d, recipe)
+        y2d = self._forward_2d(x2d, recipe, x_fp8)
         return y2d.reshape(*x.shape[:-1], self.out_features)
 
-    def _forward_2d(self, x2d: torch.Tensor, recipe: Recipe) -> torch.Tensor:
+    def _forward_2d(self, x2d: torch.Tensor, recipe: Recipe, x_fp8: Optional[tuple] = None) -> torch.Tensor:
         w, b, out_dtype = self.weight, self.bias, x2d.dtype
         tensors = self.quantized_weight(recipe)
         grad = _needs_autograd(x2d, w, b)
@@ -426,10 +437,10 @@ class QuantLinear(PhaseAware, nn.Linear):
                 wt_q, wt_s = wt if wt is not None else (None, None)
                 return _FP8LinearFunction.apply(x2d, w, b, w_q, w_s, wt_q, wt_s, recipe, out_dtype)
             # Decode-sized M (rollouts): the split-K decode GEMM (kernels/triton_decode_gemm.py).
-            y = decode_linear_fp8(x2d, w_q, w_s, b, recipe, out_dtype)
+            y = decode_linear_fp8(x2d, w_q, w_s, b, recipe, out_dtype, prequantized=x_fp8)
             if y is not None:
                 return y
-            return _fp8_forward(x2d, w_q, w_s, b, recipe, out_dtype)[0]
+            return _fp8_forward(x2d, w_q, w_s, b, recipe, out_dtype, x_fp8)[0]
         if not isinstance(recipe, NVFP4Recipe):
             raise ValueError(f"QuantLinear does not know how to run recipe {recipe!r}.")
         if grad:

@@ -31,19 +31,3 @@ def test_weight_bytes_count_linears_lm_head_and_norms_not_the_embedding_table(fp
     lm_head = model.lm_head.weight.numel() * 2
     assert norms > 0
     assert bench_rollout.weight_bytes(model, fp8) == projection + lm_head + norms
-
-
-def test_decode_gemm_settings_are_set_on_the_rollout_recipe_and_restored():
-    """A benchmark variant's decode-GEMM settings go into every FP8 rollout recipe (its scale format kept)
-    for the block, and the ones before come back after it."""
-    from jetrl_trainer.kernels.settings import DecodeGemmSettings
-
-    model = build_tiny_qwen3(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
-                             head_dim=64)  # fmt: skip
-    quantize_model(model, train="bf16", rollout="fp8", scale_format="ue8m0")
-    assert bench_rollout.decode_gemm_settings(model) == DecodeGemmSettings()
-    variant = DecodeGemmSettings(min_groups_per_split=1)
-    with bench_rollout.rollout_decode_gemm(model, variant):
-        recipes = [m.recipes["rollout"] for m in model.modules() if isinstance(m, QuantLinear)]
-        assert recipes and all(r.decode_gemm == variant and r.scale_format == "ue8m0" for r in recipes)
-    assert bench_rollout.decode_gemm_settings(model) == DecodeGemmSettings()

@@ -20,7 +20,7 @@ from transformers import GenerationConfig
 
 from jetrl_trainer.quant import PrecisionPhases, quantize_model
 from jetrl_trainer.rollout import HFGenerateBackend, left_pad, processed_logprobs, truncate_after_eos
-from jetrl_trainer.rollout.engine import DecodeEngine, EngineBackend, unsupported_model_reason
+from jetrl_trainer.rollout.engine import DecodeEngine, EngineBackend, EngineSettings, unsupported_model_reason
 from jetrl_trainer.tiny import build_tiny_llada, build_tiny_llama, build_tiny_qwen2, build_tiny_qwen3
 
 TOL = 1e-4
@@ -50,9 +50,9 @@ def _hf_greedy(model, prompts, config, eos):
     return completions
 
 
-def _engine(model, prompts, config, eos, seed=0, **kw):
-    return DecodeEngine(model, **kw).generate(prompts, config, eos_token_ids=eos, seed=seed,
-                                              pad_token_id=tokenizer().pad_token_id)  # fmt: skip
+def _engine(model, prompts, config, eos, seed=0, max_batch_size=None):
+    return DecodeEngine(model).generate(prompts, config, eos_token_ids=eos, seed=seed, max_batch_size=max_batch_size,
+                                        pad_token_id=tokenizer().pad_token_id)  # fmt: skip
 
 
 def _eos_inside_the_batch(model, config) -> int:
@@ -99,143 +99,6 @@ def _teacher_forced(model, prompts, completions, **warp):
     return processed_logprobs(logits.float(), comp, **warp)
 
 
-def test_fused_qk_norms_are_handed_to_the_rope_launch_and_the_layers_compute_the_same():
-    """With the FP8 recipe's fused Qwen3 q/k norms, the kernel path (rope_in_attend) gets q / k before
-    the norms and the weights to apply; doing what the launch does gives the modules' hidden states."""
-    from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
-
-    from jetrl_trainer.quant.fused import fuse_norm_and_swiglu
-    from jetrl_trainer.quant.reference import rmsnorm_reference
-    from jetrl_trainer.rollout.engine.architecture import DecoderView
-
-    model = fuse_norm_and_swiglu(quantize_model(build_tiny_qwen3(tokenizer()), train="fp8", rollout="fp8")).eval()
-    g = torch.Generator().manual_seed(0)
-    for layer in model.model.layers:  # not ones: applying a norm twice must show
-        for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
-            norm.weight.data = torch.rand(norm.weight.shape, generator=g) + 0.5
-    view = DecoderView.from_model(model)
-    assert all(n is not None and n[0] is layer.self_attn.q_norm.weight for n, layer in zip(view.qk_norms, view.layers))
-    assert not any(DecoderView.from_model(build_tiny_qwen3(tokenizer())).qk_norms)  # HF's own norms: not fused
-    ids = torch.tensor([[5, 6, 7, 8]])
-    positions = torch.arange(4)[None]
-
-    def attend(i, q, k, v):
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-
-    def attend_with_norms(i, q, k, v, cos, sin):
-        q_w, k_w, q_eps, k_eps = view.qk_norms[i]
-        q, k = rmsnorm_reference(q, q_w, q_eps), rmsnorm_reference(k, k_w, k_eps)  # what the launch computes
-        q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-        return attend(i, q, k, v.transpose(1, 2))
-
-    with torch.no_grad(), PrecisionPhases(model).rollout():
-        expected = view.hidden_states(ids, positions, attend)
-        fused = view.hidden_states(ids, positions, attend_with_norms, rope_in_attend=True)
-    assert torch.equal(fused, expected)
-
-
-class _SplitSumsGroup:
-    """A q/k/v group for CPU: its outputs as the modules compute them, or as two equal split sums that
-    add up to them exactly (what the GPU's grouped launch leaves for the RoPE launch)."""
-
-    def __init__(self, modules):
-        self.modules = modules
-
-    def __call__(self, x):
-        return [m(x) for m in self.modules]
-
-    def split_sums(self, x):
-        from jetrl_trainer.rollout.engine.projections import GroupedSplitSums
-
-        outs = self(x)
-        flat = torch.cat(outs, -1).reshape(-1, sum(o.shape[-1] for o in outs)).float()
-        return GroupedSplitSums(torch.stack([flat / 2, flat / 2]), None, [o.shape[-1] for o in outs], x.dtype)
-
-
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_hf_norms"])
-def test_qkv_split_sums_reach_the_rope_launch_only_where_it_applies_the_norms(arch):
-    """``hidden_states(fused_qkv=True)``: each layer's q/k/v go to the kernel path's attend unreduced
-    (``GroupedSplitSums``) where that launch also applies the q/k norms (Llama, Qwen2, Qwen3 with the
-    FP8 recipe's fused norms), never past HF's own Qwen3 norms; reducing them there gives the hidden
-    states of the reduced path."""
-    from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
-
-    from jetrl_trainer.quant.fused import fuse_norm_and_swiglu
-    from jetrl_trainer.quant.reference import rmsnorm_reference
-    from jetrl_trainer.rollout.engine.architecture import DecoderView
-    from jetrl_trainer.rollout.engine.projections import GroupedSplitSums
-
-    model = quantize_model(BUILDERS[arch.removesuffix("_hf_norms")](tokenizer()), train="fp8", rollout="fp8").eval()
-    if arch == "qwen3":
-        fuse_norm_and_swiglu(model)
-    view = DecoderView.from_model(model)
-    view.qkv_groups = [_SplitSumsGroup([a.q_proj, a.k_proj, a.v_proj]) for a in (layer.self_attn for layer in view.layers)]
-    ids, positions = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]]), torch.arange(4)[None].expand(2, 4)
-    seen = []
-
-    def attend(i, q, k, v, cos, sin):
-        seen.append(type(q))
-        if isinstance(q, GroupedSplitSums):
-            assert k is None and v is None
-            q, k, v = (t.view(*ids.shape, -1, view.head_dim) for t in q.materialize())
-        if view.qk_norms and view.qk_norms[i] is not None:
-            q_w, k_w, q_eps, k_eps = view.qk_norms[i]
-            q, k = rmsnorm_reference(q, q_w, q_eps), rmsnorm_reference(k, k_w, k_eps)
-        q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=True, enable_gqa=True)
-
-    with torch.no_grad(), PrecisionPhases(model).rollout():
-        reduced = view.hidden_states(ids, positions, attend, rope_in_attend=True, grouped=True)
-        assert seen and GroupedSplitSums not in seen
-        seen.clear()
-        fused = view.hidden_states(ids, positions, attend, rope_in_attend=True, grouped=True, fused_qkv=True)
-    assert len(seen) == len(view.layers)
-    assert set(seen) == ({torch.Tensor} if arch == "qwen3_hf_norms" else {GroupedSplitSums})
-    assert torch.equal(fused, reduced)
-
-
-def test_grouped_split_sums_materialize_in_split_order_with_biases_rounded_once():
-    from jetrl_trainer.rollout.engine.projections import GroupedSplitSums
-
-    g = torch.Generator().manual_seed(0)
-    parts = torch.randn(3, 5, 12, generator=g) * 100
-    biases = [torch.randn(w, generator=g).to(torch.bfloat16) for w in (6, 3, 3)]
-    outs = GroupedSplitSums(parts, biases, [6, 3, 3], torch.bfloat16).materialize()
-    acc = (parts[0] + parts[1]) + parts[2]
-    want = [(a + b.float()).to(torch.bfloat16) for a, b in zip(acc.split([6, 3, 3], -1), biases)]
-    assert all(o.dtype == torch.bfloat16 and torch.equal(o, w) for o, w in zip(outs, want))
-    assert [o.shape for o in GroupedSplitSums(parts, None, [6, 3, 3], torch.float32).materialize()] == [(5, 6), (5, 3), (5, 3)]
-
-
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_projections_group_only_plain_fp8_quantlinears(arch):
-    """q/k/v and gate/up form one decode launch each for FP8 QuantLinears (Qwen2's biases too);
-    HF's own Linears and LoRA layers do not group; the grouped MLP's tail is the MLP's forward."""
-    from peft import LoraConfig, get_peft_model
-
-    from jetrl_trainer.quant.fused import fuse_norm_and_swiglu
-    from jetrl_trainer.rollout.engine.architecture import DecoderView, _down_from
-
-    plain = BUILDERS[arch](tokenizer()).eval()
-    assert not any(DecoderView.from_model(plain).qkv_groups + DecoderView.from_model(plain).mlp_groups)
-    for fuse in (False, True):
-        model = quantize_model(BUILDERS[arch](tokenizer()), train="fp8", rollout="fp8").eval()
-        if fuse:
-            fuse_norm_and_swiglu(model)
-        view = DecoderView.from_model(model)
-        assert all(g is not None and len(g.modules) == 3 for g in view.qkv_groups)
-        assert all(g is not None and len(g.modules) == 2 for g in view.mlp_groups)
-        mlp = model.model.layers[0].mlp
-        x = torch.randn(3, 1, mlp.gate_proj.in_features)
-        with torch.no_grad(), PrecisionPhases(model).rollout():
-            assert view.qkv_groups[0](x) is None  # CPU: the modules run one by one
-            assert torch.equal(_down_from(mlp, mlp.gate_proj(x), mlp.up_proj(x)), mlp(x))
-    lora = LoraConfig(r=4, target_modules=["k_proj", "up_proj"], init_lora_weights=False)
-    model = quantize_model(get_peft_model(BUILDERS[arch](tokenizer()), lora), train="fp8", rollout="fp8").eval()
-    view = DecoderView.from_model(model)
-    assert not any(view.qkv_groups) and not any(view.mlp_groups)
-
-
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_sampled_logprobs_are_those_of_the_warped_distribution(precision):
     model = build_tiny_qwen3(tokenizer()).eval()
@@ -276,8 +139,8 @@ def test_last_stats_count_the_batch_changes_and_time_the_call():
     stats = engine.last_stats
     assert stats["batch_changes"] == 0 and stats["graphs_captured"] == 0 and stats["capture_seconds"] == 0.0
     assert 0 < stats["prefill_host_seconds"] <= stats["seconds"]
-    engine = DecodeEngine(model, max_batch_size=2)
-    engine.generate(PROMPTS, config, eos_token_ids=[-1], seed=3, row_budgets=[6, 1, 3, 2, 6])
+    engine = DecodeEngine(model)
+    engine.generate(PROMPTS, config, eos_token_ids=[-1], seed=3, max_batch_size=2, row_budgets=[6, 1, 3, 2, 6])
     assert 2 <= engine.last_stats["batch_changes"] <= len(PROMPTS) - 1  # rows leaving together change it once
 
 
@@ -292,10 +155,9 @@ def test_look_ahead_step_changes_no_token_or_logprob(slots):
     prompts, budgets = PROMPTS * 2, [9, 3, 1, 7, 2, 9, 5, 4, 6, 8]
     runs = []
     for look_ahead in (True, False):
-        engine = DecodeEngine(model, max_batch_size=slots)
-        engine.look_ahead = look_ahead
+        engine = DecodeEngine(model, settings=EngineSettings(look_ahead=look_ahead))
         runs.append(engine.generate(prompts, config, eos_token_ids=eos, seed=3, pad_token_id=tokenizer().pad_token_id,
-                                    row_budgets=budgets))  # fmt: skip
+                                    max_batch_size=slots, row_budgets=budgets))  # fmt: skip
     (tokens, logprobs), (want_tokens, want_logprobs) = runs
     assert tokens == want_tokens
     for got, want in zip(logprobs, want_logprobs):  # a step's batch may hold a finished row: BLAS order by shape
@@ -558,123 +420,3 @@ def test_trainer_keeps_the_engine_state_between_rollouts(tmp_path):
     assert trainer.rollout_backend._engine is not None and trainer.rollout_backend.last_stats["reused_state"]
     logged = [log["rollout/engine_reused_state"] for log in trainer.state.log_history if "rollout/engine_reused_state" in log]
     assert logged == [0.0, 1.0]  # the second step's rollout ran on the first one's cache
-
-
-def test_split_sums_materialize_as_the_gemms_reduction():
-    from jetrl_trainer.rollout.engine.projections import SplitSums
-
-    parts = torch.randn(3, 4, 8) * 1e3
-    bias = torch.randn(8).bfloat16()
-    expected = ((parts[0] + parts[1]) + parts[2] + bias.float()).bfloat16()
-    sums = SplitSums(parts, bias, (2, 2, 8), torch.bfloat16)
-    assert torch.equal(sums.materialize(), expected.view(2, 2, 8))
-
-
-class _EmulatedDecodeModule:
-    """``kernels/triton_decode_gemm`` for CPU: the partials ops emulated (K split into ``splits`` pieces,
-    FP32 sums of the dequantized operands), a plan of ``splits``; counts how often it was looked up."""
-
-    def __init__(self, splits: int) -> None:
-        self.splits, self.lookups = splits, 0
-
-    def planned_splits(self, m, widths, k, device, settings):
-        return self.splits
-
-    def _parts(self, x_q, x_s, w_q, w_s):
-        from jetrl_trainer.quant.fp8 import dequantize_fp8_blocks, dequantize_fp8_groups
-
-        x, w = dequantize_fp8_groups(x_q, x_s), dequantize_fp8_blocks(w_q, w_s)
-        pieces = zip(x.chunk(self.splits, dim=1), w.chunk(self.splits, dim=1))
-        return torch.stack([xk @ wk.t() for xk, wk in pieces])
-
-    def fp8_decode_gemm_partials(self, x_q, x_s, w_q, w_s, *, settings):
-        return self._parts(x_q, x_s, w_q, w_s)
-
-    def fp8_decode_gemm_grouped_partials(self, x_q, x_s, weights, *, settings):
-        return torch.cat([self._parts(x_q, x_s, *w) for w in weights], dim=-1)
-
-
-@pytest.mark.parametrize("splits", [1, 2])
-@pytest.mark.parametrize("bias", [False, True])
-def test_grouped_projection_leaves_split_sums_where_its_launch_splits_k(splits, bias, monkeypatch):
-    """``GroupedProjection.split_sums``: q/k/v leave their split sums only where the launch splits K (one
-    split: None, the outputs come reduced); a group of one (o, down) always; none under autograd or
-    for a BF16 recipe. The decode kernel is looked up once per call. Materialized, the sums are each
-    module's FP8 product (+ bias)."""
-    from torch import nn
-
-    from jetrl_trainer.quant.linear import QuantLinear
-    from jetrl_trainer.rollout.engine import projections
-    from jetrl_trainer.rollout.engine.projections import GroupedProjection, GroupedSplitSums, SplitSums
-
-    module = _EmulatedDecodeModule(splits)
-
-    def lookup(x2d, max_rows):
-        module.lookups += 1
-        return module
-
-    monkeypatch.setattr(projections, "decode_gemm_module", lookup)
-    torch.manual_seed(0)
-    linears = [QuantLinear.from_linear(nn.Linear(256, n, bias=bias), {"train": "fp8", "rollout": "fp8"})
-               for n in (128, 64, 64)]  # fmt: skip
-    x = torch.randn(3, 1, 256)
-    qkv, o = GroupedProjection.of(linears), GroupedProjection.of(linears[:1])
-    phases = PrecisionPhases(nn.ModuleList(linears))
-    with torch.no_grad(), phases.rollout():
-        grouped, single = qkv.split_sums(x), o.split_sums(x)
-        wanted = [m(x) for m in linears]
-    assert module.lookups == 2
-    assert isinstance(single, SplitSums) and single.parts.shape == (splits, 3, 128)
-    assert torch.allclose(single.materialize(), wanted[0], atol=1e-5)
-    if splits == 1:
-        assert grouped is None
-    else:
-        assert isinstance(grouped, GroupedSplitSums) and grouped.parts.shape == (2, 3, 256)
-        for got, want in zip(grouped.materialize(), wanted):
-            assert torch.allclose(got.view(want.shape), want, atol=1e-5)
-    with phases.rollout():  # autograd on (the weights want gradients): the training path
-        assert o.split_sums(x) is None
-    bf16 = GroupedProjection.of([QuantLinear.from_linear(nn.Linear(256, 64), {"train": "bf16", "rollout": "bf16"})])
-    with torch.no_grad(), PrecisionPhases(bf16.modules[0]).rollout():
-        assert bf16.split_sums(x) is None
-
-
-def test_residual_stream_fuses_each_add_into_the_next_norm_that_offers_it():
-    from torch import nn
-
-    from jetrl_trainer.rollout.engine.projections import SplitSums
-    from jetrl_trainer.rollout.engine.residual import ResidualStream
-
-    class Norm(nn.Module):  # doubles its input; add_forward records what it was handed
-        def __init__(self, fuses: bool) -> None:
-            super().__init__()
-            self.fuses, self.seen = fuses, []
-
-        def forward(self, x):
-            return 2 * x
-
-        def add_forward(self, residual, delta=None, *, parts=None, bias=None):
-            self.seen.append((parts is not None, bias is not None))
-            if not self.fuses:
-                return None
-            h = residual + (SplitSums(parts, bias, residual.shape, residual.dtype).materialize() if parts is not None
-                            else delta)  # fmt: skip
-            return h, 2 * h
-
-    h0 = torch.randn(2, 1, 8)
-    parts, bias = torch.randn(2, 2, 8), torch.randn(8)
-    sums = SplitSums(parts, bias, (2, 1, 8), torch.float32)
-    for fuses in (True, False):
-        stream, norm = ResidualStream(h0.clone(), fuse=True), Norm(fuses)
-        stream.add(sums)
-        y = stream.norm(norm)
-        expected = h0 + sums.materialize()
-        assert torch.equal(y, 2 * expected) and torch.equal(stream.h, expected)
-        assert norm.seen == [(True, True)]  # handed the unreduced sums and the bias, fused or not
-        stream.add(torch.ones(2, 1, 8))
-        assert torch.equal(stream.value(), expected + 1)
-    unfused, norm = ResidualStream(h0.clone(), fuse=False), Norm(True)
-    unfused.add(sums)
-    assert torch.equal(unfused.norm(norm), 2 * (h0 + sums.materialize())) and norm.seen == []
-    first = ResidualStream(h0.clone(), fuse=True)
-    assert torch.equal(first.norm(norm), 2 * h0) and norm.seen == []  # nothing pending: the plain call

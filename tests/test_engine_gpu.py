@@ -1,4 +1,6 @@
-"""The decode engine's plain-torch path on CUDA: greedy parity with generate, recorded log-probs."""
+"""The decode engine on CUDA: greedy parity with generate, recorded log-probs, and each of the
+kernel path's settings against the launches it replaces (the same tokens; the same bits where the
+fused launch reproduces the separate ones)."""
 
 from __future__ import annotations
 
@@ -9,11 +11,12 @@ from transformers import GenerationConfig
 
 from jetrl_trainer.quant import PrecisionPhases, WeightCacheRefresh, quantize_model
 from jetrl_trainer.rollout import left_pad, processed_logprobs, truncate_after_eos
-from jetrl_trainer.rollout.engine import DecodeEngine
+from jetrl_trainer.rollout.engine import DecodeEngine, EngineSettings
 from jetrl_trainer.tiny import build_tiny_qwen3
 
 pytestmark = pytest.mark.gpu
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14], [5, 6, 7, 8, 9]]
+GRAPHS, TORCH = EngineSettings(decode_path="graphs"), EngineSettings(decode_path="torch")
 
 
 def _model(precision):
@@ -73,14 +76,13 @@ def test_graphed_decode_matches_generate_and_the_eager_engine(precision):
     with PrecisionPhases(model).rollout():
         out = model.generate(input_ids=ids.cuda(), attention_mask=mask.cuda(), generation_config=config)
         expected, _ = truncate_after_eos(out[:, ids.shape[1] :].cpu(), torch.zeros(out.shape), [-1])
-        engine = DecodeEngine(model, cuda_graphs=True)
+        engine = DecodeEngine(model)
         graphed, graphed_lp = engine.generate(PROMPTS, config, eos_token_ids=[-1], seed=0, pad_token_id=0)
-        refilled, _ = DecodeEngine(model, cuda_graphs=True, max_batch_size=3).generate(
-            PROMPTS, config, eos_token_ids=[-1], seed=0, pad_token_id=0
-        )
-        eager, eager_lp = DecodeEngine(model, cuda_graphs=False).generate(PROMPTS, config, eos_token_ids=[-1], seed=0,
-                                                                           pad_token_id=0)  # fmt: skip
-    assert engine.cuda_graphs and graphed == expected == refilled == eager
+        refilled, _ = DecodeEngine(model, settings=GRAPHS).generate(PROMPTS, config, eos_token_ids=[-1], seed=0,
+                                                                    pad_token_id=0, max_batch_size=3)  # fmt: skip
+        eager, eager_lp = DecodeEngine(model, settings=TORCH).generate(PROMPTS, config, eos_token_ids=[-1], seed=0,
+                                                                       pad_token_id=0)  # fmt: skip
+    assert engine.settings.decode_path == "graphs" and graphed == expected == refilled == eager
     for a, b in zip(graphed_lp, eager_lp):
         assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-3, rtol=0)
 
@@ -94,10 +96,9 @@ def test_graphed_look_ahead_changes_no_token():
     runs = []
     with PrecisionPhases(model).rollout():
         for look_ahead in (True, False):
-            engine = DecodeEngine(model, cuda_graphs=True, max_batch_size=3)
-            engine.look_ahead = look_ahead
+            engine = DecodeEngine(model, settings=EngineSettings(decode_path="graphs", look_ahead=look_ahead))
             runs.append(engine.generate(PROMPTS * 2, config, eos_token_ids=[tok.eos_token_id], seed=4, pad_token_id=0,
-                                        row_budgets=budgets))  # fmt: skip
+                                        max_batch_size=3, row_budgets=budgets))  # fmt: skip
     assert runs[0][0] == runs[1][0]
     for a, b in zip(runs[0][1], runs[1][1]):
         assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-3, rtol=0)
@@ -109,8 +110,7 @@ def _grouped_then_ungrouped(model, prompts, config, calls: list):
     runs = []
     with PrecisionPhases(model).rollout():
         for grouped in (True, False):
-            engine = DecodeEngine(model, cuda_graphs=True)
-            engine.grouped_projections = grouped
+            engine = DecodeEngine(model, settings=EngineSettings(decode_path="graphs", grouped_projections=grouped))
             runs.append(engine.generate(prompts, config, eos_token_ids=[-1], seed=0, pad_token_id=0))
             if grouped:
                 grouped_calls = list(calls)
@@ -172,7 +172,7 @@ def test_graphed_sampling_records_the_warped_logprobs():
     config = GenerationConfig(max_new_tokens=8, do_sample=True, pad_token_id=tok.pad_token_id, **warp)
     budgets = [8, 3, 5, 1]  # rows leave their slots at different steps
     with PrecisionPhases(model).rollout():
-        tokens, logprobs = DecodeEngine(model, cuda_graphs=True).generate(
+        tokens, logprobs = DecodeEngine(model, settings=GRAPHS).generate(
             PROMPTS, config, eos_token_ids=[-1], seed=5, pad_token_id=0, row_budgets=budgets
         )
         assert [len(t) for t in tokens] == budgets
@@ -214,7 +214,7 @@ def test_kept_graphs_replay_the_weights_of_each_step():
     tok = tokenizer()
     model = quantize_model(build_tiny_qwen3(tok).cuda().eval(), train="fp8", rollout="fp8")
     config = GenerationConfig(max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=[-1])
-    kept = DecodeEngine(model, cuda_graphs=True, keep_state=True)
+    kept = DecodeEngine(model, settings=GRAPHS, keep_state=True)
 
     def run(engine):
         with PrecisionPhases(model).rollout():
@@ -229,7 +229,7 @@ def test_kept_graphs_replay_the_weights_of_each_step():
     opt.step()
     after = run(kept)
     assert kept.last_stats["reused_state"] and kept.last_stats["capture_seconds"] == 0.0
-    fresh = run(DecodeEngine(model, cuda_graphs=True))
+    fresh = run(DecodeEngine(model, settings=GRAPHS))
     assert after[0] == fresh[0] and after[0] != first[0]
     for a, b in zip(after[1], fresh[1]):
         assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-3, rtol=0)
@@ -285,15 +285,14 @@ def test_fused_epilogues_change_no_bit(arch, monkeypatch):
     assert calls == {"partials": 0, "add_norm": 0, "attention_quant": 0}
 
 
-def _same_bits_with_and_without(model, tok, flag: str, check_on) -> None:
-    """Sampled rollouts with the engine's ``flag`` on (then ``check_on()``) and off: the same tokens
+def _same_bits_with_and_without(model, tok, setting: str, check_on) -> None:
+    """Sampled rollouts with the engine's ``setting`` on (then ``check_on()``) and off: the same tokens
     and log-probs, bit for bit."""
     config = GenerationConfig(max_new_tokens=10, do_sample=True, temperature=1.0, pad_token_id=tok.pad_token_id)
     runs = []
     with PrecisionPhases(model).rollout():
         for on in (True, False):
-            engine = DecodeEngine(model, cuda_graphs=True)
-            setattr(engine, flag, on)
+            engine = DecodeEngine(model, settings=EngineSettings(decode_path="graphs", **{setting: on}))
             runs.append(engine.generate(PROMPTS * 2, config, eos_token_ids=[-1], seed=3, pad_token_id=0))
             if on:
                 check_on()
@@ -351,6 +350,7 @@ def test_unified_mismatch_on_an_8b_shaped_model_is_no_larger_than_with_generate(
     summation order grows to about this size: the decode GEMMs' order differs from the training
     forward's in both rollouts, so neither reaches 0."""
     _graphs_or_skip()
+    from torch.nn.attention import SDPBackend
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from jetrl_trainer.rollout import generate_with_logprobs
@@ -387,12 +387,11 @@ def test_unified_mismatch_on_an_8b_shaped_model_is_no_larger_than_with_generate(
                         torch.manual_seed(seed)
                         out = generate_with_logprobs(model, prompts, sampling, pad_token_id=0, eos_token_ids=[-1])
                     else:
-                        engine = DecodeEngine(model)
-                        if name == "engine_flash_order":
-                            engine.attention_options.update(block_n=64, flash_order=True)
+                        order = SDPBackend.FLASH_ATTENTION if name == "engine_flash_order" else None
+                        engine = DecodeEngine(model, settings=EngineSettings(attention_order=order))
                         out = engine.generate(prompts, sampling, eos_token_ids=[-1], seed=seed)
                 values.append(mismatch(*out))
             means[name] = (sum(values) / 3, max(values))
     assert means["engine"][0] <= means["generate"][0] + 0.02, means
-    if DecodeEngine(model).attention_options == dict(block_n=128, flash_order=False):  # torch picks cuDNN
+    if DecodeEngine(model).attention_arithmetic == dict(block_n=128, flash_order=False):  # torch picks cuDNN
         assert means["engine"][0] < 0.9 * means["engine_flash_order"][0], means

@@ -13,7 +13,7 @@ from transformers import GenerationConfig
 from jetrl_trainer.kernels.triton_decode_attention import decode_attention_reference
 from jetrl_trainer.quant import PrecisionPhases, quantize_model
 from jetrl_trainer.quant.fp8 import dequantize_fp8_groups, quantize_fp8_groups
-from jetrl_trainer.rollout.engine import DecodeEngine
+from jetrl_trainer.rollout.engine import DecodeEngine, EngineSettings
 from jetrl_trainer.rollout.engine.kv_cache import KVCache
 from jetrl_trainer.tiny import build_tiny_qwen3
 
@@ -140,9 +140,9 @@ def test_graphed_engine_with_an_fp8_cache_matches_the_eager_one():
     quantize_model(model, train="bf16", rollout="fp8")
     config = GenerationConfig(max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=[-1])
     with PrecisionPhases(model).rollout():
-        runs = [DecodeEngine(model, cuda_graphs=graphs, kv_cache_dtype="fp8").generate(PROMPTS, config, eos_token_ids=[-1],
-                                                                                       seed=0)
-                for graphs in (True, False)]  # fmt: skip
+        runs = [DecodeEngine(model, settings=EngineSettings(decode_path=path), kv_cache_dtype="fp8").generate(
+                    PROMPTS, config, eos_token_ids=[-1], seed=0)
+                for path in ("graphs", "torch")]  # fmt: skip
     (graphed, graphed_lp), (eager, eager_lp) = runs
     assert graphed == eager
     for a, b in zip(graphed_lp, eager_lp):

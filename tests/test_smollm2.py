@@ -20,7 +20,7 @@ import torch
 from _smollm2 import cached_smollm2, load_smollm2, missing_reason
 from transformers import GenerationConfig
 
-from jetrl_trainer.quant import precision_phase, quantize_model
+from jetrl_trainer.quant import PrecisionPhases, quantize_model
 from jetrl_trainer.rollout import left_pad, truncate_after_eos
 from jetrl_trainer.rollout.engine import DecodeEngine, unsupported_model_reason
 
@@ -109,7 +109,7 @@ def test_engine_greedy_tokens_equal_generate(smollm2_dir, one_thread, dtype, rol
     prompts = _chat_ids(tokenizer, QUESTIONS)
     config, eos = _greedy(tokenizer, max_new_tokens)
     pad = tokenizer.pad_token_id
-    with precision_phase("rollout"):
+    with PrecisionPhases(model).rollout():
         expected = _generate(model, prompts, config, eos, pad)
         tokens, logprobs = DecodeEngine(model).generate(prompts, config, eos_token_ids=eos, seed=0, pad_token_id=pad)
     assert tokens == expected, _divergences(expected, tokens)

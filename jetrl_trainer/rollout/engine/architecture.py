@@ -6,6 +6,9 @@ training forward uses; a peft LoRA layer adds its BF16 adapters on top), HF's ro
 (so every ``rope_scaling`` HF implements, llama3 included, is HF's), and the LM head. Only the
 attention and the KV cache are the engine's own (`attention.py`, `kv_cache.py`): that is where a
 batched decode differs from a training forward, and the only place the FP32 summation order may.
+On the kernel path the engine also launches, with the modules' own weights, what reproduces a
+module's bits in fewer launches (grouped projections, fused norms and SwiGLU): `plan.py` says
+which, per layer, and `layers.py` runs the layers.
 
 Supported: ``model_type`` llama (Llama 2/3.x), qwen2 (q/k/v biases) and qwen3 (q/k norms), full
 attention only, with unsharded parameters (DDP, DeepSpeed ZeRO-1/2; not ZeRO-3). Anything else is
@@ -22,18 +25,10 @@ import torch
 from torch import Tensor, nn
 
 from .projections import QKV_MAX_ROWS, GroupedProjection
-from .residual import ResidualStream
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "DecoderView", "unsupported_model_reason"]
+__all__ = ["SUPPORTED_MODEL_TYPES", "DecoderView", "is_gated_mlp", "unsupported_model_reason"]
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
-
-# attend(layer_index, q, k, v) -> attention output (B, H, T, D); q (B, H, T, D), k / v (B, H_kv, T, D)
-# after RoPE. With rope_in_attend, attend(layer_index, q, k, v, cos, sin) gets q (B, T, H, D) and
-# k / v (B, T, H_kv, D) before RoPE, with HF's cos / sin (B, T, D), and applies RoPE itself; where
-# DecoderView.qk_norms[layer_index] is set, it gets q / k before the q/k norms too and applies them.
-# With fused_qkv, q may instead be the q/k/v projections' unreduced GroupedSplitSums (k, v None).
-Attend = Callable[..., Tensor]
 
 
 def _base_model(model: nn.Module) -> nn.Module:
@@ -77,23 +72,11 @@ def _fusable_qk_norms(attn: nn.Module, dtype: torch.dtype, head_dim: int) -> tup
     return norms[0].weight, norms[1].weight, norms[0].variance_epsilon, norms[1].variance_epsilon
 
 
-def _is_gated_mlp(mlp: nn.Module) -> bool:
+def is_gated_mlp(mlp: nn.Module) -> bool:
     """An MLP whose forward is ``down(act(gate(x)) * up(x))`` (HF's Llama/Qwen MLPs, FusedSwiGLUMLP)."""
     from jetrl_trainer.quant.fused import FusedSwiGLUMLP
 
     return isinstance(mlp, FusedSwiGLUMLP) or type(mlp).__name__ in ("LlamaMLP", "Qwen2MLP", "Qwen3MLP")
-
-
-def _fuses_add(norm: nn.Module | None) -> bool:
-    """Whether ``norm`` can take a pending residual add with a projection's split sums in one launch."""
-    return norm is not None and hasattr(norm, "add_forward")
-
-
-def _down_from(mlp: nn.Module, gate: Tensor, up: Tensor) -> Tensor:
-    """The MLP's forward from its gate/up outputs (computed in one launch by the engine)."""
-    if hasattr(mlp, "down_from"):  # FusedSwiGLUMLP: the SwiGLU and its FP8 quant in one kernel
-        return mlp.down_from(gate, up)
-    return mlp.down_proj(mlp.act_fn(gate) * up)  # as LlamaMLP / Qwen2MLP / Qwen3MLP.forward
 
 
 @dataclass
@@ -119,7 +102,7 @@ class DecoderView:
     # Per layer: q/k/v and gate/up as one FP8 decode launch each where they can (projections.py).
     qkv_groups: list = field(default_factory=list)
     mlp_groups: list = field(default_factory=list)
-    # Per layer: o_proj, and down_proj of a FusedSwiGLUMLP, as groups of one (their split sums feed
+    # Per layer: o_proj, and down_proj of a FusedSwiGLUMLP, as groups of one (their split sums can feed
     # the fused residual add + RMSNorm).
     o_groups: list = field(default_factory=list)
     down_groups: list = field(default_factory=list)
@@ -142,77 +125,12 @@ class DecoderView:
             qk_norms=[_fusable_qk_norms(layer.self_attn, embed.weight.dtype, attn.head_dim) for layer in inner.layers],
             qkv_groups=[GroupedProjection.of([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj],
                                               max_rows=QKV_MAX_ROWS) for layer in inner.layers],
-            mlp_groups=[GroupedProjection.of([layer.mlp.gate_proj, layer.mlp.up_proj]) if _is_gated_mlp(layer.mlp)
+            mlp_groups=[GroupedProjection.of([layer.mlp.gate_proj, layer.mlp.up_proj]) if is_gated_mlp(layer.mlp)
                         else None for layer in inner.layers],
-            o_groups=[GroupedProjection.of([layer.self_attn.o_proj]) if _fuses_add(layer.post_attention_layernorm)
-                      else None for layer in inner.layers],
-            down_groups=[GroupedProjection.of([layer.mlp.down_proj])
-                         if hasattr(layer.mlp, "activation") and _fuses_add(getattr(after, "input_layernorm", None)) else None
-                         for layer, after in zip(inner.layers, [*inner.layers[1:], None])],
+            o_groups=[GroupedProjection.of([layer.self_attn.o_proj]) for layer in inner.layers],
+            down_groups=[GroupedProjection.of([layer.mlp.down_proj]) if hasattr(layer.mlp, "activation") else None
+                         for layer in inner.layers],
         )  # fmt: skip
-
-    def hidden_states(
-        self, input_ids: Tensor, position_ids: Tensor, attend: Attend, *, rope_in_attend: bool = False,
-        grouped: bool = False, fused_residual: bool = False, fused_qkv: bool = False,
-    ) -> Tensor:  # fmt: skip
-        """The final-norm hidden states ``(B, T, hidden)``; the layers in HF's order of module calls.
-
-        ``grouped``: q/k/v and gate/up run as one launch each where ``qkv_groups`` / ``mlp_groups``
-        can (decode M, FP8 `QuantLinear`s); the modules' own calls otherwise. ``fused_residual``: each
-        residual add, with the o / down projection's split-K reduction, runs inside the next
-        `FusedRMSNorm` where it can (`residual.py`; the same bits). ``fused_qkv`` (with ``grouped``
-        and ``rope_in_attend``): the grouped q/k/v launch leaves its split sums for ``attend`` to
-        reduce, where ``attend`` applies any q/k norms itself. ``attend`` may return the attention
-        output already as ``(B, T, H * D)`` (with its FP8 quantization offered to o_proj)."""
-        residual = ResidualStream(self.embed(input_ids), fuse=fused_residual)
-        cos, sin = self.rotary(residual.h, position_ids)
-        B, T = input_ids.shape
-        for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            norms_in_attend = rope_in_attend and self.qk_norms and self.qk_norms[i] is not None
-            x = residual.norm(layer.input_layernorm)
-            group = self.qkv_groups[i] if grouped and self.qkv_groups else None
-            sums = None
-            if group and fused_qkv and rope_in_attend and (norms_in_attend or not hasattr(attn, "q_norm")):
-                sums = group.split_sums(x)
-            if sums is not None:
-                out = attend(i, sums, None, None, cos, sin)
-            else:
-                out = self._attention(i, x, group, attend, cos, sin, rope_in_attend, norms_in_attend)
-            if out.dim() == 4:
-                out = out.transpose(1, 2).reshape(B, T, -1)  # (B, T, H * D)
-            split = fused_residual and self.o_groups and self.o_groups[i]
-            residual.add((split and split.split_sums(out)) or attn.o_proj(out))
-            x = residual.norm(layer.post_attention_layernorm)
-            gate_up = self.mlp_groups[i](x) if grouped and self.mlp_groups and self.mlp_groups[i] else None
-            if gate_up is None:
-                residual.add(layer.mlp(x))
-            elif fused_residual and self.down_groups and self.down_groups[i]:
-                act = layer.mlp.activation(*gate_up)
-                residual.add(self.down_groups[i].split_sums(act) or layer.mlp.down_proj(act))
-            else:
-                residual.add(_down_from(layer.mlp, *gate_up))
-        return residual.norm(self.norm)
-
-    def _attention(self, i: int, x: Tensor, group: GroupedProjection | None, attend: Attend, cos: Tensor, sin: Tensor,
-                   rope_in_attend: bool, norms_in_attend: bool) -> Tensor:  # fmt: skip
-        """Layer ``i``'s q/k/v projections of ``x`` (one grouped launch where ``group`` runs), its q/k
-        norms unless ``attend`` applies them, and ``attend``'s output."""
-        attn = self.layers[i].self_attn
-        B, T = x.shape[:2]
-        qkv = group(x) if group else None
-        q, k, v = qkv if qkv is not None else (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x))
-        q = q.view(B, T, -1, self.head_dim)
-        if hasattr(attn, "q_norm") and not norms_in_attend:  # Qwen3
-            q = attn.q_norm(q)
-        k = k.view(B, T, -1, self.head_dim)
-        if hasattr(attn, "k_norm") and not norms_in_attend:
-            k = attn.k_norm(k)
-        v = v.view(B, T, -1, self.head_dim)
-        if rope_in_attend:
-            return attend(i, q, k, v, cos, sin)
-        q, k = self.apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-        return attend(i, q, k, v.transpose(1, 2))
 
     def logits(self, hidden: Tensor) -> Tensor:
         """FP32 logits of ``hidden`` ``(..., hidden)`` (the LM head is never quantized)."""

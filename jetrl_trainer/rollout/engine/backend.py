@@ -67,12 +67,13 @@ class EngineBackend(RolloutBackend):
             self._say_once((level, f"jetrl: rollout_backend={self.requested!r} falls back to 'hf': {reason}"))
             self.last_stats = {}  # this rollout did not run the engine
             return self.fallback.generate(model, prompt_ids, sampling)
-        engine = self._engine_for(model, self._max_batch_size(prompt_ids, sampling))
+        max_batch_size = self._max_batch_size(prompt_ids, sampling)
+        engine = self._engine_for(model)
         self._say_once(arithmetic_note(engine.training_attention))
         seed = int(torch.randint(0, 2**62, ()).item())
         ids, logprobs = engine.generate(
             prompt_ids, sampling, eos_token_ids=self.eos_token_ids, seed=seed, pad_token_id=self.pad_token_id,
-            pad_to_multiple_of=self.pad_to_multiple_of,
+            max_batch_size=max_batch_size, pad_to_multiple_of=self.pad_to_multiple_of,
         )
         self.last_stats = engine.last_stats
         self._say_once(self._keep_state_hint(engine.last_stats), key="keep_state_hint")
@@ -95,13 +96,11 @@ class EngineBackend(RolloutBackend):
             self._said.add(key or note[1])
             logger.log(*note)
 
-    def _engine_for(self, model: nn.Module, max_batch_size: int | None) -> DecodeEngine:
+    def _engine_for(self, model: nn.Module) -> DecodeEngine:
         kept = self._engine
         if kept is not None and kept.modules == _module_ids(model):  # the same module tree, wrapper included
-            kept.max_batch_size = max_batch_size  # another slot count rebuilds the kept state itself
-            return kept
-        engine = DecodeEngine(model, max_batch_size=max_batch_size, kv_cache_dtype=self.kv_cache_dtype,
-                              keep_state=self.keep_state)  # fmt: skip
+            return kept  # another slot count rebuilds the kept state itself
+        engine = DecodeEngine(model, kv_cache_dtype=self.kv_cache_dtype, keep_state=self.keep_state)
         self._engine = engine if self.keep_state else None
         return engine
 

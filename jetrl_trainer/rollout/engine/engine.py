@@ -8,90 +8,55 @@ prompts ─► distinct prompts, one batched prefill (the model's own forward, r
 ```
 
 GRPO samples ``num_generations`` completions per prompt, so prefill runs once per distinct prompt
-and its KV is shared by copy. The cache holds ``num_slots`` sequences: all of them unless
-``max_batch_size`` (from the KV token budget) is smaller, in which case the rest wait for slots.
+and its KV is shared by copy. The cache holds one slot per sequence, or a call's ``max_batch_size``
+(from the KV token budget) if smaller, in which case the rest wait for slots (`scheduler.py`).
 
-On CUDA with Triton, decode attention is the split-KV kernel (`kernels/triton_decode_attention.py`,
-reading each row's live KV in place) and the decode step (the layers, the LM head and sampling) is
-captured in a CUDA graph per batch-size bucket: the live batch runs in the smallest bucket that
-holds it, padded with a scratch slot. Elsewhere the step runs eagerly with SDPA over the live KV.
-Graphs and cache live for one `generate` call (or, with ``keep_state``, until a call needs other
-ones), and read the FP8 weights in place, so they decode with the weights the training forward uses
-at that optimizer step.
+How a step runs is fixed when the engine is built (`EngineSettings`, and the per-layer plan of
+`plan.py`). On CUDA with Triton the step runs the engine's kernels (RoPE + KV append, the split-KV
+attention over each row's live KV in place, grouped FP8 GEMMs, fused epilogues) and is captured in
+a CUDA graph per batch-size bucket (`graphs.py`): the live batch runs in the smallest bucket that
+holds it, padded with a scratch slot. Elsewhere the step runs the model's modules with SDPA over the
+live KV. Graphs and cache live for one `generate` call (or, with ``keep_state``, until a call needs
+other ones), and read the FP8 weights in place, so they decode with the weights the training
+forward uses at that optimizer step.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 from transformers import DynamicCache, GenerationConfig
 
 from jetrl_trainer._choices import KV_CACHE_DTYPES, check_choice
-from jetrl_trainer._hashing import M32, mix32
-from jetrl_trainer.quant._handoff import offer_prequantized
 
 from ..hf_generate import left_pad, position_ids_from_mask
 from .architecture import DecoderView
-from .attention import decode_attention, matched_arithmetic, training_attention_backend
+from .attention import DecodeRows, KernelAttention, TorchAttention, matched_arithmetic, training_attention_backend
 from .graphs import DecodeGraphs, cuda_graphs_available
 from .kv_cache import KVCache
-from .projections import GroupedSplitSums
+from .layers import decode_hidden_states
+from .plan import plan_decode
 from .sampling import TokenSampler, unsupported_generation_reason
+from .scheduler import PrefilledPrompts, Seq, SlotScheduler
+from .settings import EngineSettings
 
 __all__ = ["DecodeEngine"]
 
 
 @dataclass
-class _Sequence:
-    index: int  # place in the request: its RNG stream
-    prompt: int  # distinct-prompt id
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-
-
-class _HostCopies:
-    """Tokens and log-probs of a step copied to the host without waiting for later queued steps:
-    a non-blocking copy into one of two pinned buffers, and an event to wait on (CPU: a copy)."""
-
-    def __init__(self, rows: int, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        pin = self.cuda and torch.cuda.is_available()
-        self.buffers = [torch.empty(2, rows, dtype=torch.float64, pin_memory=pin) for _ in range(2)]
-        self.turn = 0
-
-    def start(self, tokens: Tensor, logps: Tensor) -> tuple[Tensor, torch.cuda.Event | None]:
-        both = torch.stack([tokens.to(torch.float64), logps.to(torch.float64)])
-        if not self.cuda:
-            return both, None
-        host = self.buffers[self.turn][:, : both.shape[1]]
-        self.turn ^= 1
-        host.copy_(both, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return host, event
-
-    @staticmethod
-    def wait(ticket: tuple[Tensor, torch.cuda.Event | None]) -> Tensor:
-        host, event = ticket
-        if event is not None:
-            event.synchronize()
-        return host
-
-
-@dataclass
-class _KeptState:
-    """What ``keep_state`` carries from one ``generate`` call to the next."""
+class _DecodeState:
+    """A call's KV cache, CUDA graphs and sampler; what ``keep_state`` carries to the next call."""
 
     cache: KVCache
     graphs: DecodeGraphs | None
     sampler: TokenSampler
     key: tuple  # (slots, sampling settings): a call with another key rebuilds
-    read: tuple[int, ...]  # data pointers of every tensor the graphs read in place (weights, FP8 caches)
+    read: tuple[int, ...] = ()  # data pointers of every tensor the graphs read in place (weights, FP8 caches)
 
 
 def _module_ids(model: nn.Module) -> tuple[int, ...]:
@@ -103,8 +68,22 @@ def _sampling_key(config: GenerationConfig) -> tuple:
     return (config.do_sample, config.temperature, config.top_k, config.top_p, config.min_p)
 
 
+def _decode_path(settings: EngineSettings, device: torch.device) -> str:
+    available = cuda_graphs_available(device)
+    if settings.decode_path is None:
+        return "graphs" if available else "torch"
+    if settings.decode_path != "torch" and not available:
+        raise ValueError(f"decode_path={settings.decode_path!r} runs the engine's Triton kernels, which need CUDA and "
+                         f"Triton (the model is on {device}); use decode_path='torch' or leave it None.")  # fmt: skip
+    return settings.decode_path
+
+
 class DecodeEngine:
     """Generates completions and their sampling log-probs with a model's own modules.
+
+    ``settings`` fix how the engine decodes (`EngineSettings`; the unset ``decode_path`` resolved for
+    the model's device); ``plan`` is the per-layer plan they give for this model, reported with every
+    call's ``last_stats``.
 
     ``keep_state=True`` keeps the KV cache and the captured CUDA graphs after a call, so the next
     call with the same number of slots and sampling settings reuses them instead of capturing again
@@ -119,50 +98,39 @@ class DecodeEngine:
     KEEP_LENGTH_MULTIPLE = 128
 
     def __init__(
-        self, model: nn.Module, *, max_batch_size: int | None = None, cuda_graphs: bool | None = None,
-        kv_cache_dtype: str = "auto", keep_state: bool = False,
+        self, model: nn.Module, *, settings: EngineSettings = EngineSettings(), kv_cache_dtype: str = "auto",
+        keep_state: bool = False,
     ) -> None:  # fmt: skip
         self.view = DecoderView.from_model(model)
         self.modules = _module_ids(model)  # the module tree the view was read from
-        self.keep_state = keep_state
-        self._kept: _KeptState | None = None
-        self.max_batch_size = max_batch_size
+        self.settings = dataclasses.replace(settings, decode_path=_decode_path(settings, self.view.device))
+        self.on_kernels = self.settings.decode_path != "torch"
+        self.plan = plan_decode(self.view, self.settings, self.on_kernels)
         self.kv_fp8 = check_choice("kv_cache_dtype", kv_cache_dtype, KV_CACHE_DTYPES) == "fp8"
-        self.cuda_graphs = cuda_graphs_available(self.view.device) if cuda_graphs is None else cuda_graphs
-        # Keyword arguments of the Triton decode attention (splits, block_n, flash_order): the tile size
-        # and order that reproduce the training forward's SDPA kernel (attention.py); benchmarks change them.
+        self.keep_state = keep_state
+        self._kept: _DecodeState | None = None
+        # The SDPA backend of the training forward's attention, and the decode kernel's tile size and
+        # order that reproduce it (attention.py), unless the settings name another backend's.
         self.training_attention = None
-        self.attention_options: dict = {}
         if self.view.device.type == "cuda":
             v = self.view
             self.training_attention = training_attention_backend(v.num_heads, v.num_kv_heads, v.head_dim, v.dtype,
                                                                  v.device)  # fmt: skip
-            self.attention_options = matched_arithmetic(self.training_attention)
-        # Queue step t + 1 before waiting for step t (see generate); False waits after every step (benchmarks).
-        self.look_ahead = True
-        # q/k/v and gate/up as one FP8 decode launch each in the kernel path (projections.py); False
-        # calls the modules one by one (benchmarks).
-        self.grouped_projections = True
-        # In the kernel path, each residual add and the o / down projections' split-K reductions run
-        # inside the next fused RMSNorm, and the attention kernel writes the o projection's FP8
-        # activation (residual.py; the same bits); False runs them as separate launches (benchmarks, tests).
-        self.fused_epilogues = True
-        # In the kernel path, the grouped q/k/v launch leaves its split-K sums to the RoPE + KV-append
-        # launch, which reduces them (kernels/triton_rope_append.rope_append_from_partials; the same
-        # bits): one launch fewer per layer wherever K is split. H200, 8B shape, batch 64 (run 46): the
-        # step replays in 5.044 against 5.106 ms; False runs the GEMM's own reduction (benchmarks, tests).
-        self.fused_qkv_reduce = True
+        self.attention_arithmetic = matched_arithmetic(self.settings.attention_order or self.training_attention)
         # The last generate call: wall seconds, the host's prefill seconds, the seconds spent capturing
-        # CUDA graphs, how many were captured, how often the running batch changed, and the KV cache's bytes.
+        # CUDA graphs, how many were captured, how often the running batch changed, the KV cache's bytes,
+        # the decode path and the layer plans (`DecodePlan.summary`).
         self.last_stats: dict = {}
 
     @torch.no_grad()
     def generate(
         self, prompt_ids: Sequence[Sequence[int]], config: GenerationConfig, *, eos_token_ids: Sequence[int],
-        seed: int, pad_token_id: int = 0, row_budgets: Sequence[int] | None = None,
+        seed: int, pad_token_id: int = 0, max_batch_size: int | None = None, row_budgets: Sequence[int] | None = None,
         pad_to_multiple_of: int | None = None,
     ) -> tuple[list[list[int]], list[list[float]]]:  # fmt: skip
         """One completion per prompt (stopped after its first EOS, kept) and per-token log-probs.
+
+        At most ``max_batch_size`` sequences decode at once (None: all); the others wait for a slot.
 
         The prompts are left-padded as the trainer pads them for its training forward (TRL: to the
         longest prompt, rounded up to ``pad_to_multiple_of``): the prefill runs on that batch, and the
@@ -176,128 +144,65 @@ class DecodeEngine:
             raise ValueError(f"the decode engine cannot honour this GenerationConfig: {reason}.")
         started_at = time.perf_counter()
         distinct: dict[tuple[int, ...], int] = {}
-        seqs = [_Sequence(i, distinct.setdefault(tuple(p), len(distinct))) for i, p in enumerate(prompt_ids)]
-        prompts = list(distinct)
-        store_k, store_v, first_logits = self.prefill(prompts, pad_token_id, pad_to_multiple_of)
-        width = store_k[0].shape[2]  # the padded prompt length, as the training forward's batch has it
+        seqs = [Seq(i, distinct.setdefault(tuple(p), len(distinct))) for i, p in enumerate(prompt_ids)]
+        keys, values, first_logits = self.prefill(list(distinct), pad_token_id, pad_to_multiple_of)
         prefilled_at = time.perf_counter()  # the host's side: the GPU may still be prefilling
-        slots = min(len(seqs), self.max_batch_size or len(seqs))
-        v = self.view
-        max_len = max(map(len, prompts)) + config.max_new_tokens
-        key = (slots, _sampling_key(config))
-        kept = self._reusable(key, max_len)
-        if kept is not None:
-            cache, graphs, sampler = kept.cache, kept.graphs, kept.sampler
-            cache.lengths.zero_()
-        else:
-            if self.keep_state:
-                max_len = -(-max_len // self.KEEP_LENGTH_MULTIPLE) * self.KEEP_LENGTH_MULTIPLE
-            cache = KVCache(
-                num_layers=len(v.layers), num_slots=slots + self.cuda_graphs,  # + the graphs' scratch slot
-                max_len=max_len, num_kv_heads=v.num_kv_heads,
-                head_dim=v.head_dim, dtype=v.dtype, device=v.device, fp8=self.kv_fp8,
-            )  # fmt: skip
-            sampler = TokenSampler(config)
-            graphs = DecodeGraphs(self, cache, sampler, max_rows=slots) if self.cuda_graphs else None
-        captured_before = graphs.capture_seconds if graphs is not None else 0.0
-        # Encode (FP8: quantize) each distinct prompt's KV once, not once per generation; all layers
-        # stacked, so a sequence's start is one copy per tensor (KVCache.store_encoded).
-        encoded_k, encoded_v = cache.encode(torch.stack(store_k)), cache.encode(torch.stack(store_v))
-        del store_k, store_v
-        eos = set(eos_token_ids)
-        seed_hash = mix32(torch.tensor(seed & M32, dtype=torch.int64))
-        row_seed = {s.index: int(mix32(seed_hash ^ s.index)) for s in seqs}
-        pending, running, free = deque(seqs), {}, list(range(slots - 1, -1, -1))
-        budget = [min(config.max_new_tokens, b) for b in row_budgets] if row_budgets else [config.max_new_tokens] * len(seqs)
-
-        def step_inputs(batch: list[tuple[int, _Sequence]]) -> Tensor:
-            """(4, B) slots, last tokens, row seeds, steps: one host-to-device copy per batch."""
-            rows = [(slot, s.tokens[-1] if s.tokens else 0, row_seed[s.index], len(s.tokens)) for slot, s in batch]
-            return torch.tensor(rows, dtype=torch.long).t().to(v.device, non_blocking=True)
-
-        def launch(slots_t: Tensor, last: Tensor, seeds: Tensor, steps: Tensor) -> tuple[Tensor, Tensor]:
-            """One decode step, queued on the device (the host does not wait for it)."""
-            if graphs is not None:
-                return graphs.step(slots_t, last, seeds, steps)
-            return sampler.sample(self.decode_step(cache, slots_t, last), seeds, steps)
-
-        def record(batch: list[tuple[int, _Sequence]], both: Tensor) -> bool:
-            """Append each row's token and log-prob (rows no longer running are skipped: a
-            look-ahead step computed them after they finished); True if a row finished."""
-            finished = False
-            for (slot, s), t, lp in zip(batch, both[0].long().tolist(), both[1].tolist()):
-                if running.get(slot) is not s:
-                    continue
-                s.tokens.append(t)
-                s.logprobs.append(lp)
-                if t in eos or len(s.tokens) == budget[s.index]:
-                    running.pop(slot)
-                    free.append(slot)
-                    finished = True
-            return finished
-
-        to_host = _HostCopies(slots, v.device)
-        batch_changes = -1  # the first batch is not a change
-        while pending or running:
-            started = []
-            while free and pending:
-                slot, s = free.pop(), pending.popleft()
-                running[slot] = s
-                started.append((slot, s))
-            by_prompt: dict[int, list[int]] = {}
-            for slot, s in started:
-                by_prompt.setdefault(s.prompt, []).append(slot)
-            for prompt, prompt_slots in by_prompt.items():
-                slot_index = torch.tensor(prompt_slots, device=v.device)
-                length = len(prompts[prompt])
-                cache.store_encoded(slot_index, encoded_k, encoded_v, row=prompt, length=length, pad=width - length)
-            if started:  # first token from the prefill logits of each one's prompt
-                logits = first_logits[torch.tensor([s.prompt for _, s in started], device=v.device)]
-                record(started, to_host.wait(to_host.start(*sampler.sample(logits, *step_inputs(started)[2:]))))
-            if not running:
-                continue
-            # While the batch stays the same, step t + 1 is queued from step t's tokens on the device
-            # before the host waits for step t, so the host's bookkeeping hides behind GPU work. When
-            # a row finishes, the step already queued is drained (its other rows' tokens count) and
-            # the batch is rebuilt with the freed slots refilled.
-            batch = sorted(running.items())
-            batch_changes += 1
-            slots_t, last, seeds, steps = step_inputs(batch)
-            out = launch(slots_t, last, seeds, steps)
-            while True:
-                ticket = to_host.start(*out)
-                if not self.look_ahead:
-                    record(batch, to_host.wait(ticket))
-                    break
-                steps = steps + 1
-                ahead = launch(slots_t, out[0], seeds, steps)
-                if record(batch, to_host.wait(ticket)) or not running:
-                    record(batch, to_host.wait(to_host.start(*ahead)))
-                    break
-                out = ahead
+        slots = min(len(seqs), max_batch_size or len(seqs))
+        max_len = max(map(len, distinct)) + config.max_new_tokens
+        state, reused = self._decode_state((slots, _sampling_key(config)), max_len, config)
+        captured_before = state.graphs.capture_seconds if state.graphs is not None else 0.0
+        prompts = PrefilledPrompts(state.cache, state.sampler, [len(p) for p in distinct], keys, values, first_logits)
+        del keys, values
+        budgets = [min(config.max_new_tokens, b) for b in row_budgets or [config.max_new_tokens] * len(seqs)]
+        scheduler = SlotScheduler(seqs, slots, eos=set(eos_token_ids), budgets=budgets, seed=seed,
+                                  device=self.view.device)  # fmt: skip
+        scheduler.run(lambda started: prompts.start(started, scheduler.step_inputs),
+                      lambda *inputs: self._step(state, *inputs), self.settings.look_ahead)  # fmt: skip
         if self.keep_state:
-            self._kept = _KeptState(cache, graphs, sampler, key, self._read_in_place())
+            self._kept = dataclasses.replace(state, read=self._read_in_place())
+        graphs = state.graphs
         self.last_stats = dict(
             seconds=time.perf_counter() - started_at, prefill_host_seconds=prefilled_at - started_at,
             capture_seconds=(graphs.capture_seconds - captured_before) if graphs is not None else 0.0,
-            graphs_captured=len(graphs.buckets) if graphs is not None else 0, batch_changes=batch_changes,
-            reused_state=kept is not None, kv_cache_bytes=cache.nbytes,
+            graphs_captured=len(graphs.buckets) if graphs is not None else 0, batch_changes=scheduler.batch_changes,
+            reused_state=reused, kv_cache_bytes=state.cache.nbytes, decode_path=self.settings.decode_path,
+            layer_plans=self.plan.summary(),
         )  # fmt: skip
         return [s.tokens for s in seqs], [s.logprobs for s in seqs]
+
+    def _step(self, state: _DecodeState, slots: Tensor, tokens: Tensor, seeds: Tensor,
+              steps: Tensor) -> tuple[Tensor, Tensor]:  # fmt: skip
+        """One decode step and its sampling, queued on the device (the host does not wait for it)."""
+        if state.graphs is not None:
+            return state.graphs.step(slots, tokens, seeds, steps)
+        if self.on_kernels:  # the kernels index slots and tokens as contiguous vectors (graphs copy them so)
+            slots, tokens = slots.contiguous(), tokens.contiguous()
+        return state.sampler.sample(self.decode_step(state.cache, slots, tokens), seeds, steps)
 
     def release_state(self) -> None:
         """Free what ``keep_state`` kept (the KV cache and the CUDA graphs)."""
         self._kept = None
 
-    def _reusable(self, key: tuple, max_len: int) -> _KeptState | None:
+    def _decode_state(self, key: tuple, max_len: int, config: GenerationConfig) -> tuple[_DecodeState, bool]:
         """The kept state if this call can run on it (called after the prefill, which refreshed the
-        FP8 weight caches), else None, with the old state freed before a new one is allocated."""
+        FP8 weight caches), else a new one, allocated after the old one is freed; and whether it was kept."""
         kept, self._kept = self._kept, None
-        if kept is None or not self.keep_state:
-            return None
-        if kept.key != key or kept.cache.max_len < max_len or kept.read != self._read_in_place():
-            return None
-        return kept
+        if kept is not None and self.keep_state and kept.key == key and kept.cache.max_len >= max_len \
+                and kept.read == self._read_in_place():  # fmt: skip
+            kept.cache.lengths.zero_()
+            return kept, True
+        del kept
+        if self.keep_state:
+            max_len = -(-max_len // self.KEEP_LENGTH_MULTIPLE) * self.KEEP_LENGTH_MULTIPLE
+        v, slots, graphed = self.view, key[0], self.settings.decode_path == "graphs"
+        cache = KVCache(
+            num_layers=len(v.layers), num_slots=slots + graphed,  # + the graphs' scratch slot
+            max_len=max_len, num_kv_heads=v.num_kv_heads, head_dim=v.head_dim, dtype=v.dtype, device=v.device,
+            fp8=self.kv_fp8,
+        )  # fmt: skip
+        sampler = TokenSampler(config)
+        graphs = DecodeGraphs(self, cache, sampler, max_rows=slots) if graphed else None
+        return _DecodeState(cache, graphs, sampler, key), False
 
     def _read_in_place(self) -> tuple[int, ...]:
         from jetrl_trainer.quant.linear import QuantLinear
@@ -316,8 +221,8 @@ class DecodeEngine:
 
         The model's own forward, as ``generate``'s prefill calls it: transformers builds the mask and
         picks the attention kernel, so a prompt's KV and first-token logits are the bits the training
-        forward computes for the same prompt (on the H200 an engine-owned masked prefill measured
-        0.19 mean |Δlogp| on the first token of the 8B-shaped model, against 0.0 for this call)."""
+        forward computes for the same prompt (an engine-owned masked prefill measured further from
+        the training forward on the first token; docs/benchmarks.md)."""
         v = self.view
         ids, mask = left_pad(prompts, pad_token_id, pad_to_multiple_of)
         ids, mask = ids.to(v.device), mask.to(v.device)
@@ -329,55 +234,20 @@ class DecodeEngine:
         values = [layer.values for layer in cache.layers]
         return keys, values, out.logits[:, -1].float()
 
-    def decode_step(self, cache: KVCache, slots: Tensor, tokens: Tensor, *, kernel: bool = False) -> Tensor:
+    def decode_step(self, cache: KVCache, slots: Tensor, tokens: Tensor) -> Tensor:
         """Feed each row ``tokens[b]`` at the end of slot ``slots[b]``; FP32 logits ``(B, V)`` for the next one.
 
-        ``kernel=True`` (CUDA graphs) runs the Triton kernels, which read ``lengths`` on the device:
-        RoPE with the KV append in one launch (the same bits as the model's eager RoPE; with the
-        FP8 recipe's fused Qwen3 q/k norms, those norms too), then the split-KV attention. Otherwise the model's RoPE, an indexed append and SDPA over the live prefix.
-        """
+        On the kernels (``decode_path`` ``"graphs"`` or ``"kernels"``), which read ``lengths`` on the
+        device, each layer runs as its plan says (`plan.py`); otherwise the model's modules, the
+        model's RoPE, an indexed append and SDPA over the live prefix."""
         v = self.view
         positions = cache.lengths[slots][:, None]
         lengths = cache.lengths[slots] + 1
-        pads = cache.pads[slots] if kernel else None
-
-        def attend(layer: int, q: Tensor, k: Tensor, val: Tensor) -> Tensor:
-            cache.append(layer, slots, k[:, :, 0], val[:, :, 0])
-            out = decode_attention(q[:, :, 0], *cache.read(layer, slots), lengths, v.scaling)
-            return out[:, :, None]
-
-        def attend_kernels(layer: int, q: Tensor, k: Tensor, val: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-            from jetrl_trainer.kernels.triton_decode_attention import decode_attention as attention_kernel
-            from jetrl_trainer.kernels.triton_rope_append import rope_append, rope_append_from_partials
-
-            k_cache, v_cache = cache.k[layer], cache.v[layer]
-            scales = dict(k_scale=cache.k_scale[layer], v_scale=cache.v_scale[layer]) if cache.fp8 else {}
-            norms = v.qk_norms[layer] if v.qk_norms else None
-            if isinstance(q, GroupedSplitSums):  # q/k/v unreduced: the reduction runs in the RoPE launch
-                q = rope_append_from_partials(q.parts, v.num_heads, cos[:, 0], sin[:, 0], k_cache, v_cache, slots,
-                                              positions[:, 0], biases=q.biases, qk_norms=norms, **scales)  # fmt: skip
-            else:
-                q = rope_append(q[:, 0], k[:, 0], val[:, 0], cos[:, 0], sin[:, 0], k_cache, v_cache, slots,
-                                positions[:, 0], qk_norms=norms, **scales)  # fmt: skip
-            o_proj = v.o_groups[layer] if self.fused_epilogues and v.o_groups else None
-            fmt = o_proj.input_scale_format() if o_proj is not None and q.shape[-1] == 128 else None
-            # pads: tiles on the training forward's boundaries over the padded rows
-            options = dict(scales, pads=pads, **self.attention_options)
-            if fmt is None:
-                out = attention_kernel(q, k_cache, v_cache, slots, lengths, v.scaling, **options)
-                return out[:, :, None]
-            # The o projection's 1x128 activation quant, written by the attention kernel (one group per head).
-            out, out_q, out_s = attention_kernel(q, k_cache, v_cache, slots, lengths, v.scaling, quantize_output=fmt,
-                                                 **options)  # fmt: skip
-            flat = out.view(out.shape[0], 1, -1)  # (B, 1, H * D), the tensor o_proj receives
-            offer_prequantized(flat, out_q, out_s, fmt)
-            return flat
-
-        if kernel:
-            hidden = v.hidden_states(tokens[:, None], positions, attend_kernels, rope_in_attend=True,
-                                     grouped=self.grouped_projections, fused_residual=self.fused_epilogues,
-                                     fused_qkv=self.fused_qkv_reduce)  # fmt: skip
+        if self.on_kernels:
+            rows = DecodeRows(cache, slots, positions, lengths, pads=cache.pads[slots])
+            attention = KernelAttention(v, rows, self.attention_arithmetic, self.settings.attention)
         else:
-            hidden = v.hidden_states(tokens[:, None], positions, attend)
+            attention = TorchAttention(v, DecodeRows(cache, slots, positions, lengths))
+        hidden = decode_hidden_states(v, self.plan, tokens[:, None], positions, attention)
         cache.lengths[slots] = lengths
         return v.logits(hidden[:, -1])

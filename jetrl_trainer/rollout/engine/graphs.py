@@ -62,7 +62,7 @@ class DecodeGraphs:
 
     def _run(self, b: _Bucket) -> tuple[Tensor, Tensor]:
         self.cache.lengths[self.scratch :].zero_()  # a device fill: no host copy inside the capture
-        logits = self.engine.decode_step(self.cache, b.slots, b.tokens, kernel=True)
+        logits = self.engine.decode_step(self.cache, b.slots, b.tokens)
         return self.sampler.sample(logits, b.seeds, b.steps)
 
     def _capture(self, rows: int) -> _Bucket:

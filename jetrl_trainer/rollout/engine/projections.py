@@ -4,9 +4,13 @@ At decode the FP8 projections are bound by reading their weights, and one alone 
 keep every SM streaming (k and v of an 8B model are 4 MB of FP8 each). The engine runs q/k/v in
 one launch of the grouped split-K kernel (`kernels/triton_decode_gemm.fp8_decode_gemm_grouped`),
 and gate/up in another, on the very FP8 weights each `QuantLinear` caches for the training
-forward, with the activation's 1×128 quantization the fused RMSNorm handed over. Per output the
-operands and the math are the same as each module's own call; only the K split (the FP32
-summation order) may differ, which the engine's contract allows (architecture.py).
+forward. Per output the operands and the math are the same as each module's own call; only the K
+split (the FP32 summation order) may differ, which the engine's contract allows (architecture.py).
+
+An `Activation` carries the 1×128 FP8 quantization that the launch which wrote it produced (a fused
+RMSNorm, the SwiGLU, the attention kernel): a group or a module (`linear`) uses that pair instead of
+quantizing again. The engine hands it over as an argument, from the launch it made to the one it
+makes next.
 
 A group of one (the o and down projections) can leave its output as split-K partial sums
 (`SplitSums`) for the next RMSNorm to reduce, together with the residual add (`residual.py`); the
@@ -27,23 +31,46 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch import Tensor, nn
 
 from jetrl_trainer.quant._dispatch import act_quant_fp8, decode_gemm_module
+from jetrl_trainer.quant.fused import _fp8_format as fp8_input_format
 from jetrl_trainer.quant.linear import QuantLinear
 from jetrl_trainer.quant.recipe import FP8Recipe
 from jetrl_trainer.quant.stats import record_gemm
 
-__all__ = ["QKV_MAX_ROWS", "GroupedProjection", "GroupedSplitSums", "SplitSums"]
+__all__ = ["QKV_MAX_ROWS", "Activation", "GroupedProjection", "GroupedSplitSums", "SplitSums", "linear"]
 
-# Rows up to which the q/k/v group runs as one decode-kernel launch. H200, Qwen3-8B shapes (run 21,
-# graph replays): the grouped launch took 17.8 us at M = 128 and 26.0 at 256, against 29.0 / 36.6 for
-# BF16; at batch 256 it took the FP8 decode step from 11.6 to 10.7 ms (run 23, BF16 11.6). gate/up
-# grouped (55 us at 128, 89 at 256) lose to two scaled_mm calls with their act quant (46, 70), and
-# o / down lose likewise, so they stay on scaled_mm above the recipe's decode_gemm.max_m.
+# Rows up to which the q/k/v group runs as one decode-kernel launch: measured faster there than
+# separate scaled_mm calls, while gate/up, o and down were not above the recipe's decode_gemm.max_m
+# (docs/performance.md).
 QKV_MAX_ROWS = 256
+
+Pair = tuple[Tensor, Tensor]
+
+
+@dataclass(frozen=True)
+class Activation:
+    """An activation ``x`` and, where the launch that wrote it also quantized it, that 1×128 FP8
+    quantization ``fp8 = (q [M, K], s [M, K / 128])`` in ``scale_format``."""
+
+    x: Tensor
+    fp8: Optional[Pair] = None
+    scale_format: Optional[str] = None
+
+    def pair_for(self, scale_format: Optional[str]) -> Optional[Pair]:
+        """The FP8 pair if a consumer quantizing in ``scale_format`` can use it, else None."""
+        return self.fp8 if self.fp8 is not None and scale_format == self.scale_format else None
+
+
+def linear(module: nn.Module, x: Activation) -> Tensor:
+    """``module(x.x)``; a `QuantLinear` gets ``x``'s FP8 pair, where there is one, instead of quantizing."""
+    if x.fp8 is not None and isinstance(module, QuantLinear):
+        return module.forward_prequantized(x.x, x.fp8, x.scale_format)
+    return module(x.x)
 
 
 class GroupedProjection:
@@ -62,8 +89,9 @@ class GroupedProjection:
             return None
         return cls(modules, max_rows)
 
-    def __call__(self, x: Tensor) -> list[Tensor] | None:
-        operands = self._operands(x)
+    def __call__(self, act: Activation) -> list[Tensor] | None:
+        x = act.x
+        operands = self._operands(act)
         if operands is None:
             return None
         module, pair, weights, settings = operands
@@ -71,12 +99,13 @@ class GroupedProjection:
         outs = module.fp8_decode_gemm_grouped(*pair, weights, biases, out_dtype=x.dtype, settings=settings)
         return [y.view(*x.shape[:-1], y.shape[-1]) for y in outs]
 
-    def split_sums(self, x: Tensor) -> SplitSums | GroupedSplitSums | None:
+    def split_sums(self, act: Activation) -> SplitSums | GroupedSplitSums | None:
         """The group's output left as its split-K partial sums, for a consumer that reduces them itself:
         one projection's for the fused residual add + RMSNorm (`residual.py`), q/k/v's for the RoPE +
-        KV-append launch (``DecodeEngine.fused_qkv_reduce``); None where the launch cannot run, or for a
+        KV-append launch (``EngineSettings.fused_qkv_reduce``); None where the launch cannot run, or for a
         group whose launch does not split K (its outputs come in the model dtype with no reduction
         launch to save, and FP32 sums would only be more bytes to read)."""
+        x = act.x
         launch = self._launch(x)
         if launch is None:
             return None
@@ -86,7 +115,7 @@ class GroupedProjection:
         if len(self.modules) > 1 and module.planned_splits(x2d.shape[0], widths, x2d.shape[1], x.device,
                                                            recipe.decode_gemm) == 1:  # fmt: skip
             return None
-        module, pair, weights, settings = self._operands(x, launch)
+        module, pair, weights, settings = self._operands(act, launch)
         if len(self.modules) > 1:
             parts = module.fp8_decode_gemm_grouped_partials(*pair, weights, settings=settings)
             biases = [m.bias for m in self.modules] if self.modules[0].bias is not None else None
@@ -109,15 +138,18 @@ class GroupedProjection:
             return None  # a rollout runs without autograd; a training forward keeps its own path
         return module, recipe
 
-    def _operands(self, x: Tensor, launch: tuple | None = None) -> tuple | None:
+    def _operands(self, act: Activation, launch: tuple | None = None) -> tuple | None:
         """(decode-GEMM module, the activation's FP8 pair, the FP8 weights, the launch settings), or
-        None; ``launch``: what `_launch` already returned for ``x``."""
+        None; ``launch``: what `_launch` already returned for ``act.x``. The pair is the one its
+        producer wrote, where it wrote one in the group's scale format, else the act-quant kernel's."""
+        x = act.x
         launch = launch if launch is not None else self._launch(x)
         if launch is None:
             return None
         module, recipe = launch
-        # A fused producer's pair is served as is.
-        pair = act_quant_fp8(x.reshape(-1, x.shape[-1]), recipe.scale_format, settings=recipe.kernels)
+        pair = act.pair_for(recipe.scale_format)
+        if pair is None:
+            pair = act_quant_fp8(x.reshape(-1, x.shape[-1]), recipe.scale_format, settings=recipe.kernels)
         weights = [m.quantized_weight(recipe) for m in self.modules]
         for m in self.modules:
             record_gemm(m.phase, recipe.name)
@@ -125,8 +157,7 @@ class GroupedProjection:
 
     def input_scale_format(self) -> str | None:
         """The FP8 scale format the group quantizes its input with in its phase, or None."""
-        recipe = self.modules[0].recipes[self.modules[0].phase]
-        return recipe.scale_format if isinstance(recipe, FP8Recipe) else None
+        return fp8_input_format(self.modules[0])
 
 
 @dataclass

@@ -1,0 +1,68 @@
+"""What a decode engine launches, chosen once when it is built: `EngineSettings`.
+
+Every field picks between ways of computing the same tokens (the same bits, except the attention
+order) or sets a kernel family's launch. The engine reads them in its constructor, where it builds
+the per-layer plan (`plan.py`); nothing changes them afterwards. A benchmark or a test that compares
+two choices builds two engines, ``EngineSettings(fused_epilogues=False)`` or
+``dataclasses.replace(settings, ...)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from torch.nn.attention import SDPBackend
+
+from jetrl_trainer._choices import DECODE_PATHS, check_choice
+from jetrl_trainer.kernels.settings import DecodeAttentionSettings
+
+from .attention import MATCHED_BACKENDS
+
+__all__ = ["EngineSettings"]
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """How a `DecodeEngine` runs its decode step and its generate loop.
+
+    Parameters:
+        decode_path: ``"graphs"``: the step's Triton kernels (RoPE + KV append, split-KV attention,
+            grouped FP8 GEMMs, fused epilogues), captured in a CUDA graph per batch-size bucket;
+            ``"kernels"``: the same launches, eager (probes); ``"torch"``: the model's modules and
+            SDPA over each row's live KV (CPU, and the reference). None: ``"graphs"`` on CUDA with
+            Triton, else ``"torch"``.
+        look_ahead: queue step t + 1 from step t's tokens on the device before the host reads step t,
+            so the host's bookkeeping hides behind GPU work (the same rollout as waiting after
+            every step).
+        grouped_projections: q/k/v and gate/up as one FP8 decode launch each over the modules' own
+            FP8 weights (``projections.py``); False calls the modules one by one.
+        fused_epilogues: each residual add, with the o / down projection's split-K sums, runs inside
+            the next fused RMSNorm launch, and the attention kernel writes the o projection's FP8
+            activation (``residual.py``; the same bits); False launches them separately.
+        fused_qkv_reduce: where the grouped q/k/v launch splits K, the RoPE + KV-append launch adds
+            its partial sums (``kernels/triton_rope_append.rope_append_from_partials``; the same
+            bits): one reduction launch fewer per layer.
+        attention: launch settings of the split-KV decode attention kernel.
+        attention_order: the SDPA backend whose summation order (tile size and tile order) the decode
+            attention kernel reproduces (``attention.py``): ``CUDNN_ATTENTION`` or ``FLASH_ATTENTION``.
+            None: the backend torch runs for the training forward's attention on the engine's device.
+    """
+
+    decode_path: Optional[str] = None
+    look_ahead: bool = True
+    grouped_projections: bool = True
+    fused_epilogues: bool = True
+    fused_qkv_reduce: bool = True
+    attention: DecodeAttentionSettings = field(default_factory=DecodeAttentionSettings)
+    attention_order: Optional[SDPBackend] = None
+
+    def __post_init__(self) -> None:
+        if self.decode_path is not None:
+            check_choice("EngineSettings.decode_path", self.decode_path, DECODE_PATHS)
+        if self.attention_order is not None and self.attention_order not in MATCHED_BACKENDS:
+            names = ", ".join(b.name for b in MATCHED_BACKENDS)
+            raise ValueError(f"EngineSettings.attention_order must be None or one of {names}; "
+                             f"got {self.attention_order!r}.")  # fmt: skip
+        if not isinstance(self.attention, DecodeAttentionSettings):
+            raise ValueError(f"EngineSettings.attention must be a DecodeAttentionSettings; got {self.attention!r}.")
