@@ -26,8 +26,6 @@ from jetrl_trainer.quant import _dispatch, fused, linear
 from jetrl_trainer.quant.fp8 import dequantize_fp8_groups, quantize_fp8_groups
 from jetrl_trainer.quant.reference import rmsnorm_reference, swiglu_reference
 
-DECODE_MAX_M = 64
-
 
 def describe(value, digests: bool = True):
     """A comparable, hashable description of a kernel argument: tensors by layout, and by contents
@@ -96,10 +94,9 @@ class _Emulation:
     def __init__(self, log: KernelLog, splits: int) -> None:
         self.log, self.splits = log, splits
         self.decode_gemm = SimpleNamespace(
-            DECODE_MAX_M=DECODE_MAX_M, PROLOGUE_MAX_M=0,
-            planned_splits=lambda m, widths, k, device: splits,
+            planned_splits=lambda m, widths, k, device, settings: splits,
             **{name: self._logged(name, getattr(self, name)) for name in (
-                "fp8_decode_gemm_nt", "fp8_decode_linear", "fp8_decode_gemm_grouped", "fp8_decode_gemm_partials",
+                "fp8_decode_gemm_nt", "fp8_decode_gemm_grouped", "fp8_decode_gemm_partials",
                 "fp8_decode_gemm_grouped_partials")},
         )  # fmt: skip
         self.norm = SimpleNamespace(rmsnorm_quant_fp8=self._logged("rmsnorm_quant_fp8", self.rmsnorm_quant_fp8),
@@ -123,7 +120,7 @@ class _Emulation:
             return y, y.new_empty((0, y.shape[1]), dtype=torch.float8_e4m3fn), y.new_empty((0, 1), dtype=torch.float32)
         return (y, *quantize_fp8_groups(y, 128, scale_format=scale_format))
 
-    def add_rmsnorm_quant_fp8(self, residual, delta, weight, eps, *, bias=None, scale_format="fp32"):
+    def add_rmsnorm_quant_fp8(self, residual, delta, weight, eps, *, bias=None, scale_format="fp32", num_warps=None):
         if delta.dim() == 3:  # split-K partial sums: reduced in split order, + bias, rounded once
             delta = _split_sum(delta)
             delta = (delta + bias.float() if bias is not None else delta).to(residual.dtype)
@@ -136,34 +133,29 @@ class _Emulation:
         return (h, *quantize_fp8_groups(h, 128, scale_format=scale_format))
 
     @staticmethod
-    def act_quant_fp8(x2d, scale_format="fp32", *, mn_major_scales=False):
-        assert not mn_major_scales
+    def act_quant_fp8(x2d, scale_format="fp32", *, settings=None):
         return quantize_fp8_groups(x2d.contiguous(), 128, scale_format=scale_format)
 
     # -- triton_decode_gemm ----------------------------------------------------------------------
 
     @staticmethod
-    def fp8_decode_gemm_nt(x_q, x_s, w_q, w_s, bias=None, *, out_dtype=torch.bfloat16):
+    def fp8_decode_gemm_nt(x_q, x_s, w_q, w_s, bias=None, *, out_dtype=torch.bfloat16, settings=None):
         return _gemm(x_q, x_s, w_q, w_s, bias, out_dtype)
 
     @staticmethod
-    def fp8_decode_linear(x, w_q, w_s, bias=None, *, scale_format="fp32", out_dtype=None):
-        return _gemm(*quantize_fp8_groups(x.contiguous(), 128, scale_format=scale_format), w_q, w_s, bias, out_dtype)
-
-    @staticmethod
-    def fp8_decode_gemm_grouped(x_q, x_s, weights, biases=(), *, out_dtype=torch.bfloat16):
+    def fp8_decode_gemm_grouped(x_q, x_s, weights, biases=(), *, out_dtype=torch.bfloat16, settings=None):
         biases = list(biases) or [None] * len(weights)
         return [_gemm(x_q, x_s, w_q, w_s, b, out_dtype) for (w_q, w_s), b in zip(weights, biases)]
 
-    def fp8_decode_gemm_partials(self, x_q, x_s, w_q, w_s):
+    def fp8_decode_gemm_partials(self, x_q, x_s, w_q, w_s, *, settings=None):
         y = _gemm(x_q, x_s, w_q, w_s, None, torch.float32)
         return torch.stack([y / self.splits] * self.splits) if self.splits > 1 else y[None]
 
-    def fp8_decode_gemm_grouped_partials(self, x_q, x_s, weights):
+    def fp8_decode_gemm_grouped_partials(self, x_q, x_s, weights, *, settings=None):
         return torch.cat([self.fp8_decode_gemm_partials(x_q, x_s, *w) for w in weights], dim=-1)
 
-    def decode_gemm_module(self, x2d, max_m=None):
-        return self.decode_gemm if 0 < x2d.shape[0] <= (max_m or DECODE_MAX_M) else None
+    def decode_gemm_module(self, x2d, max_m):
+        return self.decode_gemm if 0 < x2d.shape[0] <= max_m else None
 
     # -- triton_rope_append / triton_decode_attention ------------------------------------------------
 

@@ -267,7 +267,7 @@ class _EmulatedDecodeModule:
     def __init__(self, splits: int) -> None:
         self.splits, self.lookups = splits, 0
 
-    def planned_splits(self, m, widths, k, device):
+    def planned_splits(self, m, widths, k, device, settings):
         return self.splits
 
     def _parts(self, x_q, x_s, w_q, w_s):
@@ -277,10 +277,10 @@ class _EmulatedDecodeModule:
         pieces = zip(x.chunk(self.splits, dim=1), w.chunk(self.splits, dim=1))
         return torch.stack([xk @ wk.t() for xk, wk in pieces])
 
-    def fp8_decode_gemm_partials(self, x_q, x_s, w_q, w_s):
+    def fp8_decode_gemm_partials(self, x_q, x_s, w_q, w_s, *, settings):
         return self._parts(x_q, x_s, w_q, w_s)
 
-    def fp8_decode_gemm_grouped_partials(self, x_q, x_s, weights):
+    def fp8_decode_gemm_grouped_partials(self, x_q, x_s, weights, *, settings):
         return torch.cat([self._parts(x_q, x_s, *w) for w in weights], dim=-1)
 
 
