@@ -1,4 +1,4 @@
-"""Package discovery that honours the ``package-dir`` mapping (DESIGN §2).
+"""Package discovery that honours the ``package-dir`` mapping (docs/architecture.md#layout).
 
 ``quant/``, ``kernels/`` and ``correctors/`` sit at the top of the checkout but install as
 ``jetrl_trainer.quant`` etc. setuptools' own ``packages.find`` cannot rename what it finds, and a

@@ -13,9 +13,9 @@ Per shape and M (rows = live sequences at a decode step), in one process:
 
 Times are CUDA-graph replays of 20 back-to-back calls (launch gaps removed, as inside the engine's
 graphs). The calls cycle through copies of the weights that together pass three times the L2 cache
-(``_common.cold_copies``), so every call reads its weight from DRAM, as a decode step does; before
-2026-12-05 they read one weight, which for the weights that fit in L2 (q/k/v, q/o, k/v of the 8B
-shape in FP8; k/v in BF16) came from L2 after the first call. ``--warm`` times that way again.
+(``_common.cold_copies``), so every call reads its weight from DRAM, as a decode step does.
+``--warm`` calls one weight back to back instead: the weights that fit in L2 (q/k/v, q/o, k/v of
+the 8B shape in FP8; k/v in BF16) then come from L2 after the first call, so those times are too fast.
 ``bw_frac`` = (weight bytes + activation in + output out) / time over the measured copy
 bandwidth. The decode kernel runs with ``DecodeGemmSettings()`` (``kernels/settings.py``), or the
 fields ``--decode-gemm`` replaces; ``--sweep`` times a grid of such settings and prints the best.
@@ -232,7 +232,7 @@ def main() -> None:
                          "split sums reduced in the fused residual add + RMSNorm, per warp count (--warps)")  # fmt: skip
     ap.add_argument("--warps", default="0,4,16", help="with --epilogue: warp counts (0: the shipped default)")
     ap.add_argument("--warm", action="store_true",
-                    help="call one weight back to back (read from L2 where it fits), as before 2026-12-05, instead "
+                    help="call one weight back to back (read from L2 where it fits) instead "
                          "of cycling through copies that pass the L2 cache")  # fmt: skip
     args = ap.parse_args()
     try:

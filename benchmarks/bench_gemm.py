@@ -6,7 +6,7 @@
 * Decode-shaped GEMMs, M ∈ {1, 8, 64, 256}, FP8 weights vs BF16 weights, timed as CUDA-graph
   replays (launch gaps removed), with and without the activation quant; reports the crossover. The
   calls cycle through copies of the weight that pass the L2 cache (``_common.cold_copies``), so each
-  reads it from DRAM as a decode step does (until 2026-12-05 q_proj's 17 MB FP8 weight stayed in L2).
+  reads it from DRAM as a decode step does (q_proj's 17 MB FP8 weight would otherwise stay in L2).
 """
 
 from __future__ import annotations

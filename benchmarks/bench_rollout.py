@@ -62,9 +62,7 @@ def build_model(layers: int, decode_gemm: DecodeGemmSettings = DecodeGemmSetting
 
 def weight_bytes(model, fp8: bool) -> int:
     """Parameter bytes a decode step reads: every linear (FP8 + its block scales, or BF16), the LM head
-    and the norms. Not the embedding table: a step gathers one row per sequence from it. (Until
-    2026-12-05 the table was counted, 1.24 GB on the 8B shape, which put the floor 0.29 ms per step too
-    high; docs/history.md §7 gives the corrected fractions.)"""
+    and the norms. Not the embedding table: a step gathers one row per sequence from it."""
     total = 0
     for m in model.modules():
         if isinstance(m, QuantLinear):

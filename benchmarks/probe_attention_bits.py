@@ -46,8 +46,7 @@ def graph_us(options: dict) -> dict:
     """Microseconds per decode-attention call in a CUDA graph, batch 64 and 256, 192 live of 384 positions
     (pad counts 0-127, as the engine passes them). Keys and values are distinct tensors, and the calls
     cycle through copies of them that pass three times the L2 cache, so each call reads its live K/V
-    from DRAM as a decode step does. (Until 2026-12-05 one tensor served as both and the calls repeated
-    it: at batch 64 its 25 MB of live positions stayed in L2, so those timings were too fast.)"""
+    from DRAM as a decode step does (at batch 64 the 25 MB of live positions would otherwise stay in L2)."""
     out = {}
     for batch in (64, 256):
         q = torch.randn(batch, H, D, device="cuda", dtype=torch.bfloat16)

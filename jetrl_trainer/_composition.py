@@ -1,4 +1,4 @@
-"""Which rollout backend and policy scorer a trainer gets (DESIGN §4), chosen once at init."""
+"""Which rollout backend and policy scorer a trainer gets (docs/architecture.md#one-grpo-step), chosen once at init."""
 
 from __future__ import annotations
 

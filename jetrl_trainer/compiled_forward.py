@@ -3,8 +3,8 @@
 The loss forward (and the old / reference log-probs in the train phase) runs the decoder layers,
 not the LM head: TRL computes the head and the log-softmax itself. Compiling those layers cuts the
 launches and elementwise work around each quantized linear (the FP8 quant ops are registered custom
-ops, so they stay single calls in the graph). On an H200 the compiled backbone made an 8B-shaped
-actor update 1.14x faster in BF16 and in FP8 alike (docs/performance.md). ``mode="reduce-overhead"``
+ops, so they stay single calls in the graph); on an 8B-shaped actor update it measured faster in
+BF16 and in FP8 alike (docs/performance.md). ``mode="reduce-overhead"``
 replays the compiled forward and backward as CUDA graphs (inductor's cudagraph trees); they read the
 parameters in place, so an optimizer step needs no re-capture.
 

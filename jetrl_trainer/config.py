@@ -1,6 +1,6 @@
 """`JetGRPOConfig`: TRL's `GRPOConfig` plus the knobs that pick a low-precision strategy.
 
-Two orthogonal precisions and a corrector (DESIGN §4):
+Two orthogonal precisions and a corrector (docs/architecture.md#precision-phases):
 
 * ``train_precision == rollout_precision`` — the *unified precision flow* (Jet-RL): the rollout runs
   the very same quantized modules as the training forward, so there is no mismatch to correct.
@@ -143,7 +143,7 @@ class JetGRPOConfig(GRPOConfig):
             them in FP8 E4M3 with one FP32 scale per token and KV head (about half the cache memory and
             attention bytes). The rollout then departs from the training forward, so it is refused in the
             unified flow (`train_precision == rollout_precision`) and needs a corrector. It saves memory,
-            not time (1.3-1.5x slower than the model-dtype cache on an H200, docs/performance.md).
+            not time (it measured slower than the model-dtype cache: docs/performance.md).
         rollout_keep_engine_state (`bool`, *optional*, defaults to `False`):
             `rollout_backend="engine"` (or `"auto"` choosing it) only: keep the engine's KV cache and CUDA
             graphs between rollouts instead of freeing them, so rollouts after the first skip the graph
@@ -327,8 +327,8 @@ class JetGRPOConfig(GRPOConfig):
             "help": "rollout_backend='engine' only: 'auto' keeps the KV cache in the model dtype; 'fp8' stores keys "
             "and values in FP8 E4M3 with one FP32 scale per token and KV head (about half the cache memory and "
             "attention bytes). It departs from the training forward: refused in the unified flow (train_precision "
-            "== rollout_precision), and needs a corrector to manage the mismatch. It saves memory, not time (1.3-1.5x "
-            "slower on an H200).",
+            "== rollout_precision), and needs a corrector to manage the mismatch. It saves memory, not time (it "
+            "measured slower than the model-dtype cache).",
             "choices": list(KV_CACHE_DTYPES),
         },
     )
@@ -346,8 +346,8 @@ class JetGRPOConfig(GRPOConfig):
         metadata={
             "help": "torch.compile the policy's decoder layers for the trainer's train-phase log-prob forwards (the "
             "loss, the old and reference log-probs); rollouts are not compiled. Sequences are right-padded to a "
-            "multiple of compile_length_multiple so that few shapes compile. On an H200 the compiled backbone made "
-            "an 8B-shaped actor update 1.14x faster in BF16 and FP8 alike (docs/performance.md). Falls back to "
+            "multiple of compile_length_multiple so that few shapes compile; it measured faster on an 8B-shaped "
+            "actor update in BF16 and FP8 alike (docs/performance.md). Falls back to "
             "eager, with the reason logged, under gradient checkpointing, DeepSpeed ZeRO-3 and for diffusion LMs."
         },
     )
@@ -368,8 +368,8 @@ class JetGRPOConfig(GRPOConfig):
             "help": "compile_policy_forward with the inductor backend only: the torch.compile mode. "
             "'reduce-overhead' replays the compiled forward and backward as CUDA graphs, so no host time per "
             "kernel launch is exposed (one graph set per "
-            "padded length; costs the graphs' memory pool and compile time). On an H200 it took an 8B-shaped FP8 "
-            "actor update from 202 to 190 ms at 8 layers (docs/performance.md). None is torch's default "
+            "padded length; costs the graphs' memory pool and compile time); it measured faster on an 8B-shaped "
+            "actor update (docs/performance.md). None is torch's default "
             "(inductor kernels, launched from Python each call)."
         },
     )

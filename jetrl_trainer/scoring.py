@@ -1,6 +1,6 @@
 """Policy scorers: the log-probs a GRPO step needs of its completions, in either precision phase.
 
-The trainer holds one scorer, chosen at init with the rollout backend (DESIGN §4):
+The trainer holds one scorer, chosen at init with the rollout backend (docs/architecture.md#one-grpo-step):
 ``logps(model, batch, phase) -> (B, K, T)``. K is the number of *slices*: 1 for an autoregressive
 model; for a diffusion LM, one per inner iteration, each with its own mask seed
 (`jetrl_trainer.diffusion.scoring.DiffusionScorer`). The trainer corrects each slice in one place.

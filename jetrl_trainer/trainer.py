@@ -1,4 +1,4 @@
-"""`JetGRPOTrainer`: TRL's GRPO with low-precision rollouts and training (DESIGN §4).
+"""`JetGRPOTrainer`: TRL's GRPO with low-precision rollouts and training (docs/architecture.md#one-grpo-step).
 
 One GRPO step, and what does each part. The trainer holds two small objects chosen at init: a
 **rollout backend** (`jetrl_trainer.rollout`; ``rollout_backend``) and a **policy scorer**
@@ -16,7 +16,7 @@ prompts ─► backend.generate, in precision_phases.rollout()  ─► completio
         ─► weight_cache_refresh: the policy re-quantizes its weights on its next forward
 ```
 
-How this departs from TRL 1.16's `GRPOTrainer`:
+How this departs from TRL 1.16's `GRPOTrainer` (docs/architecture.md#where-it-meets-trl):
 
 * the policy's ``nn.Linear`` layers become `QuantLinear` at init (`quantize_model`); the reference
   model, when there is one, is quantized with the *training* recipe in both phases;

@@ -1,10 +1,9 @@
 """GEMM backend ``"deepgemm"``: DeepGEMM's SM90 FP8 kernels, registered only if ``deep_gemm`` imports.
 
-**Opt-in, because it is untested against a real DeepGEMM.** The lent H200 image has no
-``deep_gemm`` and building it was not attempted for this module; the adapter was written from
+**Opt-in, because it is untested against a real DeepGEMM.** The adapter was written from
 DeepGEMM's source and is exercised on CPU against a strict fake of that contract
-(``tests/test_deepgemm_backend.py``). An earlier attempt built DeepGEMM 2.6.1 on the H200 but it
-crashed on its first GEMM call. So the automatic choice never picks it; force it with
+(``tests/test_deepgemm_backend.py``); the one build of DeepGEMM 2.6.1 tried on an H200 crashed on
+its first GEMM call. So the automatic choice never picks it; force it with
 ``JETRL_GEMM_BACKEND=deepgemm``, ``use_gemm_backend("deepgemm")`` or ``backend="deepgemm"``.
 Make it automatic (``opt_in=False`` below) only after ``test_real_deepgemm_matches_emulated`` has
 passed on a GPU with the real library.

@@ -12,8 +12,8 @@ operand                shape / layout                               dtype
 output                 [B, H, D], contiguous                        same as ``q``
 =====================  ==========================================  ==========================
 
-Why not SDPA: a masked SDPA over a static cache reads all T positions of every row (measured
-108 ms per step at batch 1 over a 512-slot cache for an 8B shape); this kernel reads each row's
+Why not SDPA: a masked SDPA over a static cache reads all T positions of every row (far slower
+over a large slot cache: docs/history.md §7); this kernel reads each row's
 live positions only, split over ``splits`` programs so that short batches still fill the GPU.
 The launch depends on shapes alone (``lengths`` is read on the device), so it captures in a
 CUDA graph. Departure from the reference: summation order only (FP32 accumulation; P·V with P

@@ -1,9 +1,9 @@
 """FP64 block sums of the sampler's probabilities, the first level of its inverse-CDF draw.
 
 ``block_sums_fp64(probs [B, V] fp32, block) -> [B, ceil(V / block)] fp64``. torch computes the same
-sums only by first materializing an FP64 (and, for a ragged last block, padded) copy of the table:
-on the H200 at batch 64 and Qwen3's 151,936 entries those copies and the reduction took about
-0.1 ms of a 5 ms decode step; this kernel reads the FP32 table once. Sums are in FP64, added in
+sums only by first materializing an FP64 (and, for a ragged last block, padded) copy of the table,
+a visible share of a decode step at Qwen3's vocabulary (docs/history.md §7); this kernel reads the
+FP32 table once. Sums are in FP64, added in
 another order than torch's reduction: the draw's contract (``rollout/engine/sampling.py``) allows it.
 """
 

@@ -1,12 +1,12 @@
-"""FP8 E4M3 reference quantizers: the numerics contract (DESIGN §3), in pure torch.
+"""FP8 E4M3 reference quantizers, in pure torch: the numerics contract (docs/architecture.md#numerics-contract).
 
 Every other FP8 path — the Triton kernels, the rollout and the training forward — must reproduce
 these functions bit for bit, so they are written for clarity, not speed.
 
-* scale ``s = max(amax, 1e-10) * fp32(1/448)`` in FP32. This departs from the literal ``/ 448``
-  of DESIGN §3 on purpose: on CUDA, ATen runs ``tensor / 448.0`` as a multiply by the FP32
-  reciprocal, so writing the multiply makes the CPU and CUDA references (and the kernels) agree bit
-  for bit; the two definitions differ in the last bit of about half the scales;
+* scale ``s = max(amax, 1e-10) * fp32(1/448)`` in FP32. The multiply is deliberate
+  (docs/architecture.md#fp8-format-and-scales): on CUDA, ATen runs ``tensor / 448.0`` as a
+  multiply by the FP32 reciprocal, so writing the multiply makes the CPU and CUDA references (and
+  the kernels) agree bit for bit; the two definitions differ in the last bit of about half the scales;
 * ``q = saturate(round_to_nearest_even(x / s))`` — a true division, never ``x * (1 / s)``,
   because the two differ in the last bit and kernels must match;
 * optional ``ue8m0`` scale format: ``s`` rounded *up* to a power of two (DeepGEMM / Blackwell).

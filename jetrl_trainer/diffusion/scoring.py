@@ -1,4 +1,4 @@
-"""The diffusion policy scorer: per-iteration mask seeds and estimated per-token log-probs (DESIGN §6).
+"""The diffusion policy scorer: per-iteration mask seeds and estimated per-token log-probs (docs/architecture.md#llada).
 
 One slice per GRPO inner iteration: the old, rollout (rollout-precision) and reference log-probs of
 iteration i, and the current ones of the loss at iteration i, all score the completions with mask

@@ -23,7 +23,7 @@ __all__ = ["EngineBackend"]
 logger = logging.getLogger("jetrl_trainer")
 
 # Share of a rollout's time spent capturing graphs above which the backend suggests keeping them
-# (on the H200 capture was 42-62% of a 1.2B GRPO benchmark's rollouts: docs/performance.md).
+# (capture measured about half of a short rollout's time on a 1.2B model: docs/performance.md).
 CAPTURE_HINT_SHARE = 0.25
 
 

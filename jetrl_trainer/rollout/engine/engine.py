@@ -222,7 +222,7 @@ class DecodeEngine:
         The model's own forward, as ``generate``'s prefill calls it: transformers builds the mask and
         picks the attention kernel, so a prompt's KV and first-token logits are the bits the training
         forward computes for the same prompt (an engine-owned masked prefill measured further from
-        the training forward on the first token; docs/benchmarks.md)."""
+        the training forward on the first token; docs/history.md §7)."""
         v = self.view
         ids, mask = left_pad(prompts, pad_token_id, pad_to_multiple_of)
         ids, mask = ids.to(v.device), mask.to(v.device)

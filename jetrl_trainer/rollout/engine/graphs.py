@@ -2,7 +2,7 @@
 
 A replay launches a whole step (every layer's kernels, the LM head, the warpers and the sampler)
 with no Python in between, which is what makes small-batch FP8 decode cheaper than BF16: eager,
-the host time of a `QuantLinear` call exceeds its GEMM at these shapes (docs/history.md §3 and §8).
+the host time of a `QuantLinear` call exceeds its GEMM at these shapes (docs/performance.md).
 
 Buckets are 1, 2, 4, ... up to the number of slots (and that number itself). A step with ``n``
 running rows runs in the smallest bucket ``>= n``; the extra rows point at a scratch slot (the

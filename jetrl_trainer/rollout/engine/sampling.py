@@ -13,8 +13,8 @@
 * **Two-level cumulative** (`inverse_cdf_sample`): FP64 sums of blocks of ``CDF_BLOCK`` entries
   and their running total find the block that holds ``u × total``; only that block's entries are
   then accumulated one by one (on CUDA the block sums are a Triton kernel, `kernels/triton_sampling`).
-  A full ``(B, V)`` FP64 cumulative sum over a 152k vocabulary cost as much as the LM head
-  (docs/benchmarks.md §7). The two levels add in a different order, so a token
+  A full ``(B, V)`` FP64 cumulative sum over a 152k vocabulary measured as costly as the LM head
+  (docs/history.md §7). The two levels add in a different order, so a token
   can differ from the one-level sum only where ``u × total`` falls within FP64 rounding of a step edge.
 * **Greedy** (``do_sample=False``): the argmax of the raw scores, as ``generate``; its recorded
   log-prob is that of the token under the (unwarped) softmax.
