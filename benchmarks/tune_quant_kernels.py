@@ -4,7 +4,8 @@ Each variant is a ``QuantKernelSettings`` built from the defaults with one entry
 (``dataclasses.replace``) and passed to the kernels; nothing global is changed. Prints, per entry,
 each value's fraction of the copy bandwidth and the best one, then the winners together as a
 ``QuantKernelSettings(...)`` expression for the defaults in ``kernels/settings.py``. Bandwidth is
-counted as in bench_quant_kernels.py.
+counted as in bench_quant_kernels.py. ``gemm`` times the Triton GEMM backend's tiles above 64 rows
+the same way: each a ``TritonGemmSettings`` passed to ``triton_fp8_gemm_nt``.
 
 Usage: ``python tune_quant_kernels.py [NAME ...]`` (names of ``SWEEP`` and ``gemm``; all by default).
 """
@@ -18,8 +19,7 @@ import torch
 
 from _common import bench_ms, copy_bandwidth_gbs, dump, environment
 from jetrl_trainer.kernels import act_quant_fp8, requant_transpose_fp8, transpose_fp8_blocks, weight_quant_fp8
-from jetrl_trainer.kernels import fp8_gemm_nt, triton_gemm
-from jetrl_trainer.kernels.settings import QuantKernelSettings
+from jetrl_trainer.kernels.settings import QuantKernelSettings, TritonGemmSettings
 
 M, K = 16384, 4096
 
@@ -80,31 +80,30 @@ def run(names: list[str] | tuple[str, ...] = ()) -> dict:
     return result
 
 
-GEMM_SWEEP = [
-    dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=4),
-    dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=8, num_warps=8, num_stages=3),
-    dict(BLOCK_M=256, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3),
-    dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=5),
-    dict(BLOCK_M=64, BLOCK_N=256, GROUP_M=8, num_warps=4, num_stages=4),
-    dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=16, num_warps=8, num_stages=4),
+GEMM_SWEEP = [  # (block_m, block_n, group_m, num_warps, num_stages); the first is the default
+    (128, 128, 8, 8, 4),
+    (128, 256, 8, 8, 3),
+    (256, 128, 8, 8, 3),
+    (128, 128, 8, 4, 5),
+    (64, 256, 8, 4, 4),
+    (128, 256, 16, 8, 4),
 ]
 
 
 def _tune_gemm() -> dict:
     """TFLOPS of the Triton GEMM at 8192 x 4096 x 4096 for a few tilings."""
+    from jetrl_trainer.kernels.triton_gemm import triton_fp8_gemm_nt
+
     a = act_quant_fp8(torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16))
     b = weight_quant_fp8(torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16))
-    original, out = dict(triton_gemm.LARGE), {}
-    for cfg in GEMM_SWEEP:
-        triton_gemm.LARGE.clear()
-        triton_gemm.LARGE.update(cfg)
+    out = {}
+    for tiles in GEMM_SWEEP:
+        settings = TritonGemmSettings(*tiles)
         try:
-            ms = bench_ms(lambda: fp8_gemm_nt(a, b, backend="triton"), rep_ms=100)
-            out[str(tuple(cfg.values()))] = round(2 * 8192 * 4096 * 4096 / (ms * 1e-3) / 1e12, 1)
-        except Exception as exc:
-            out[str(tuple(cfg.values()))] = type(exc).__name__
-    triton_gemm.LARGE.clear()
-    triton_gemm.LARGE.update(original)
+            ms = bench_ms(lambda: triton_fp8_gemm_nt(*a, *b, "block", torch.bfloat16, settings=settings), rep_ms=100)
+            out[repr(settings)] = round(2 * 8192 * 4096 * 4096 / (ms * 1e-3) / 1e12, 1)
+        except Exception as exc:  # a tiling that does not compile or fit
+            out[repr(settings)] = type(exc).__name__
     numeric = {k: v for k, v in out.items() if isinstance(v, float)}
     return {"TFLOPS": out, "best": max(numeric, key=numeric.get) if numeric else None}
 

@@ -33,12 +33,18 @@ from jetrl_trainer.kernels.gemm import (
     reset_gemm_caches,
     use_gemm_backend,
 )
-from jetrl_trainer.kernels.settings import DecodeAttentionSettings, DecodeGemmSettings, QuantKernelSettings
+from jetrl_trainer.kernels.settings import (
+    DecodeAttentionSettings,
+    DecodeGemmSettings,
+    QuantKernelSettings,
+    TritonGemmSettings,
+)
 
 __all__ = [
     "DecodeAttentionSettings",
     "DecodeGemmSettings",
     "QuantKernelSettings",
+    "TritonGemmSettings",
     "resolve_dispatch",
     "auto_gemm_backends",
     "available_gemm_backends",

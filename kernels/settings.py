@@ -8,6 +8,8 @@ float8 modules each hold their config.
 * :class:`QuantKernelSettings` and :class:`DecodeGemmSettings`: held by an FP8 recipe
   (``quant/recipe.py``), read by every ``QuantLinear`` that runs it.
 * :class:`DecodeAttentionSettings`: held by the decode engine (``rollout/engine``).
+* :class:`TritonGemmSettings`: the portable Triton GEMM backend's tiles, an argument of
+  ``triton_fp8_gemm_nt`` (the GEMM registry calls it with the defaults).
 
 A benchmark that compares two settings builds two objects (``dataclasses.replace``). Pure Python:
 importing this module imports no Triton.
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["DecodeAttentionSettings", "DecodeGemmSettings", "QuantKernelSettings"]
+__all__ = ["DecodeAttentionSettings", "DecodeGemmSettings", "QuantKernelSettings", "TritonGemmSettings"]
 
 
 def _positive(owner: object, *names: str) -> None:
@@ -118,3 +120,27 @@ class QuantKernelSettings:
             value = getattr(self, name)
             if any(v & (v - 1) for v in (value if isinstance(value, tuple) else (value,))):
                 raise ValueError(f"QuantKernelSettings.{name} must be powers of two (Triton tile sizes); got {value!r}.")
+
+
+@dataclass(frozen=True)
+class TritonGemmSettings:
+    """The portable Triton FP8 GEMM (``kernels/triton_gemm.py``) above 64 rows; it sums each 128-wide
+    K group in one tile whatever the tiles, so none of these changes a bit. (At decode-sized M a fixed
+    rule picks narrow N tiles: that GEMM is bound by reading the weight.)
+
+    ``benchmarks/tune_quant_kernels.py gemm`` times a few of these on the GPU at hand.
+
+    Parameters:
+        block_m, block_n: the output tile.
+        group_m: M tiles launched next to each other, so that they share weight tiles in L2.
+        num_warps, num_stages: Triton launch parameters.
+    """
+
+    block_m: int = 128
+    block_n: int = 128
+    group_m: int = 8
+    num_warps: int = 8
+    num_stages: int = 4
+
+    def __post_init__(self) -> None:
+        _positive(self, "block_m", "block_n", "group_m", "num_warps", "num_stages")

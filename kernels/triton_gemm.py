@@ -4,9 +4,9 @@ The fallback for GPUs or builds without cuBLASLt blockwise scaling (any GPU with
 cores that Triton supports: SM89/SM90+). Same contract as every backend (``kernels/gemm.py``):
 ``a [M, K]`` FP8 row-major with ``a_s [M, ceil(K/128)]``; ``b [N, K]`` FP8 row-major with
 ``b_s [ceil(N/128), ceil(K/128)]`` ("block") or ``[N, ceil(K/128)]`` ("group"); scales may have
-any strides. Ragged M, N, K need no padding (masked loads). Tile sizes are chosen by a fixed
-heuristic rather than autotuning, because autotuning would time kernels (host syncs) on the first
-call, which breaks CUDA-graph capture.
+any strides. Ragged M, N, K need no padding (masked loads). Tile sizes come from a
+``TritonGemmSettings`` (``kernels/settings.py``) above 64 rows and a fixed rule below, never from
+autotuning, which would time kernels (host syncs) on the first call and break CUDA-graph capture.
 
 Departure from a textbook FP8 GEMM: each 128-wide K group is accumulated into a fresh tile and
 scaled before it joins the FP32 accumulator (blockwise scaling needs it; see the jit module).
@@ -19,6 +19,7 @@ import torch
 from jetrl_trainer._choices import FLOAT_DTYPES, check_choice
 from jetrl_trainer.kernels._triton_support import call_op, cdiv, load_jit, triton_available
 from jetrl_trainer.kernels.gemm import register_gemm_backend
+from jetrl_trainer.kernels.settings import TritonGemmSettings
 
 __all__ = ["triton_fp8_gemm_nt", "triton_gemm_available"]
 
@@ -34,21 +35,23 @@ def triton_gemm_available(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(index) >= (8, 9)
 
 
-# Tiles for M > 64 (benchmarks/tune_quant_kernels.py sweeps them on the GPU at hand).
-LARGE = dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=4)
+_DEFAULT = TritonGemmSettings()
 
 
-def _config(m: int, n: int) -> dict:
+def _config(m: int, n: int, large: tuple[int, int, int, int, int]) -> dict:
     # Decode-sized M: the GEMM is bound by reading B, so spread N over many programs.
     if m <= 64:
         block_n = 64 if cdiv(n, 64) >= 132 else 32
         return dict(BLOCK_M=64, BLOCK_N=block_n, GROUP_M=1, num_warps=4, num_stages=4)
-    return dict(LARGE)
+    return dict(zip(("BLOCK_M", "BLOCK_N", "GROUP_M", "num_warps", "num_stages"), large))
 
 
+# The settings travel as ints (a custom op's schema takes no dataclass); the defaults are _DEFAULT's.
 @torch.library.custom_op("jetrl::triton_fp8_gemm_nt", mutates_args=(), device_types="cuda")
 def _gemm_op(
-    a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: torch.Tensor, b_block: bool, out_dtype: torch.dtype
+    a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: torch.Tensor, b_block: bool, out_dtype: torch.dtype,
+    block_m: int = _DEFAULT.block_m, block_n: int = _DEFAULT.block_n, group_m: int = _DEFAULT.group_m,
+    num_warps: int = _DEFAULT.num_warps, num_stages: int = _DEFAULT.num_stages,
 ) -> torch.Tensor:
     jit = load_jit("_triton_gemm_jit")
     m, k = a_q.shape
@@ -58,7 +61,7 @@ def _gemm_op(
         return out
     if k == 0:
         return out.zero_()
-    cfg = _config(m, n)
+    cfg = _config(m, n, (block_m, block_n, group_m, num_warps, num_stages))
     grid = (cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"]),)
     jit.fp8_gemm_nt_kernel[grid](
         a_q, b_q, out, a_s, b_s, m, n, k,
@@ -69,7 +72,7 @@ def _gemm_op(
 
 
 @_gemm_op.register_fake
-def _(a_q, a_s, b_q, b_s, b_block, out_dtype):
+def _(a_q, a_s, b_q, b_s, b_block, out_dtype, *launch):
     return a_q.new_empty((a_q.shape[0], b_q.shape[0]), dtype=out_dtype)
 
 
@@ -80,12 +83,17 @@ def triton_fp8_gemm_nt(
     b_s: torch.Tensor,
     b_granularity: str,
     out_dtype: torch.dtype,
+    *,
+    settings: TritonGemmSettings = _DEFAULT,
 ) -> torch.Tensor:
-    """``deq(a) @ deq(b).T`` with FP32 accumulation; operands as in ``kernels/gemm.py``."""
+    """``deq(a) @ deq(b).T`` with FP32 accumulation; operands as in ``kernels/gemm.py``; ``settings``:
+    the tiles above 64 rows."""
     check_choice("out_dtype", out_dtype, FLOAT_DTYPES)
     a_q = a_q if a_q.stride(-1) == 1 else a_q.contiguous()
     b_q = b_q if b_q.stride(-1) == 1 else b_q.contiguous()
-    return call_op(_gemm_op, a_q, a_s, b_q, b_s, b_granularity == "block", out_dtype)
+    s = settings
+    return call_op(_gemm_op, a_q, a_s, b_q, b_s, b_granularity == "block", out_dtype,
+                   s.block_m, s.block_n, s.group_m, s.num_warps, s.num_stages)  # fmt: skip
 
 
 register_gemm_backend("triton", triton_fp8_gemm_nt, is_available=triton_gemm_available, priority=10)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -55,11 +56,11 @@ __all__ = [
 ]
 
 # Decode-kernel options (kernels/triton_decode_attention.decode_attention) per SDPA backend of the
-# training forward; any other backend keeps the kernel's defaults.
-_ARITHMETIC = {
-    SDPBackend.CUDNN_ATTENTION: dict(block_n=128, flash_order=False),
-    SDPBackend.FLASH_ATTENTION: dict(block_n=64, flash_order=True),
-}
+# training forward; any other backend keeps the kernel's defaults. Read-only: a constant, not a setting.
+_ARITHMETIC = MappingProxyType({
+    SDPBackend.CUDNN_ATTENTION: MappingProxyType(dict(block_n=128, flash_order=False)),
+    SDPBackend.FLASH_ATTENTION: MappingProxyType(dict(block_n=64, flash_order=True)),
+})
 MATCHED_BACKENDS = tuple(_ARITHMETIC)  # the SDPA backends whose order the decode kernel can reproduce
 
 

@@ -22,6 +22,8 @@
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import torch
 from torch import Tensor
 from transformers import GenerationConfig
@@ -33,7 +35,7 @@ from jetrl_trainer.rollout.sampling import sampling_warpers
 __all__ = ["CDF_BLOCK", "TokenSampler", "inverse_cdf_sample", "unsupported_generation_reason"]
 
 # GenerationConfig fields the engine does not implement, with their neutral values.
-_NEUTRAL = {
+_NEUTRAL = MappingProxyType({
     "num_beams": 1,
     "num_return_sequences": 1,
     "repetition_penalty": 1.0,
@@ -54,7 +56,7 @@ _NEUTRAL = {
     "sequence_bias": None,
     "exponential_decay_length_penalty": None,
     "renormalize_logits": False,
-}
+})
 
 
 def unsupported_generation_reason(config: GenerationConfig) -> str | None:
