@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session (run from the repo root on the device machine): install, GPU tests, examples, benchmarks.
 # Usage: bash benchmarks/run_on_gpu.sh OUT_DIR [tests|examples|bench|all] [pytest -k expression]
-# Wheels the image lacks (trl, datasets): `bash ../shared/offline-wheels.sh` here, then carry .whl.
+# Wheels the GPU image lacks (trl, datasets): put them in .whl/ beforehand; they are installed from there, offline.
 # BENCH_NAMES picks run_all.py benchmarks; BENCH_ROLLOUT_ARGS are passed to bench_rollout.py.
 set -o pipefail
 OUT=${1:-/tmp/out}; WHAT=${2:-all}; KEXPR=${3:-}
