@@ -1,4 +1,7 @@
-"""Which rollout backend and policy scorer a trainer gets (docs/architecture.md#one-grpo-step), chosen once at init."""
+"""Which rollout backend and policy scorer a trainer gets, chosen once at init.
+
+docs/architecture.md#one-grpo-step shows where each sits in a GRPO step.
+"""
 
 from __future__ import annotations
 

@@ -53,7 +53,9 @@ class BF16Recipe(Recipe):
 
 @dataclass(frozen=True)
 class FP8Recipe(Recipe):
-    """FP8 E4M3: activations 1×128 groups, weights 128×128 blocks, FP8 dgrad/wgrad (docs/architecture.md#the-fp8-linear).
+    """FP8 E4M3: activations 1×128 groups, weights 128×128 blocks, FP8 dgrad/wgrad.
+
+    The format, and what forward and backward compute: docs/architecture.md#the-fp8-linear.
 
     Parameters:
         scale_format: ``"fp32"`` scales, or ``"ue8m0"`` (power-of-two scales, rounded up).

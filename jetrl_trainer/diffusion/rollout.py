@@ -1,4 +1,4 @@
-"""``rollout_backend="diffusion"``: the LLaDA sampler as a rollout backend (docs/architecture.md#one-grpo-step, #llada).
+"""``rollout_backend="diffusion"``: the LLaDA sampler as a rollout backend (docs/architecture.md#llada).
 
 Returns no sampling log-probs: a diffusion LM's tokens come from many denoising steps, so the
 "rollout" log-probs are the same likelihood estimate as the old and current ones, evaluated in the
