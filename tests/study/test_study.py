@@ -21,7 +21,7 @@ from jetrl_trainer import _choices, study
 from jetrl_trainer._choices import STUDY_STRATEGIES, STUDY_STRATEGIES_NVFP4
 from jetrl_trainer.study import Strategy, StudySpec, TinyModel, parse_strategies, parse_strategy, run_study
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "compare_strategies.py"
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 FAST_ARGS = ("--fast", "--num_threads", "1")

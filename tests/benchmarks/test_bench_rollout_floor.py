@@ -15,7 +15,7 @@ import torch
 from jetrl_trainer.quant import QuantLinear, quantize_model
 from jetrl_trainer.tiny import build_tiny_qwen3
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks"))
 bench_rollout = pytest.importorskip("bench_rollout")
 
 

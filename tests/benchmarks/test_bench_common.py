@@ -11,7 +11,7 @@ import torch
 
 from jetrl_trainer.kernels.settings import DecodeAttentionSettings, DecodeGemmSettings
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks"))
 from _common import cold_copies, cycling, replaced_settings  # noqa: E402
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "examples" / "configs").glob("gsm8k_*.yaml"))
 CPU = ["--bf16", "false", "--use_cpu", "true", "--report_to", "none"]
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "train_llada.py"
 CONFIGS = sorted((ROOT / "examples" / "configs").glob("llada_*.yaml"))
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -70,7 +70,7 @@ def test_two_processes_over_gloo(tmp_path):
 
 
 def test_local_checkpoint_with_lora_and_a_corrector(tmp_path):
-    from test_llada_grpo import save_published_layout
+    from _trainer_utils import save_published_layout
 
     path = save_published_layout(tmp_path / "tiny")
     out = tmp_path / "out"

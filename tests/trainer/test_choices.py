@@ -11,7 +11,7 @@ import torch
 from jetrl_trainer import _choices
 from jetrl_trainer._choices import check_choice
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE_DIRS = ("jetrl_trainer", "quant", "kernels", "correctors")
 
 

@@ -32,8 +32,8 @@ from torch import nn
 from jetrl_trainer.correctors import merge_sums, metrics_from_sums
 from jetrl_trainer.quant import PrecisionPhases, QuantLinear, WeightCacheRefresh, quantize_fp8_blocks
 
-ROOT = Path(__file__).resolve().parents[1]
-WORKER = ROOT / "tests" / "dist_worker.py"
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).resolve().parent / "dist_worker.py"
 CONFIGS = ROOT / "examples" / "configs"
 
 FP8_AIS, BF16_TIS = "fp8:fp8:ais", "bf16:fp8:tis"

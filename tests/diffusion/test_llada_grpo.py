@@ -3,17 +3,26 @@ iteration, every strategy, LoRA, KL, saving (jetrl_trainer/diffusion/rollout.py,
 
 from __future__ import annotations
 
-import json
 import types
 
 import pytest
 import torch
-from _trainer_utils import byte_reward, changed, prompts, snapshot, strategy_runs, tokenizer, train
+from _trainer_utils import (
+    byte_reward,
+    changed,
+    prompts,
+    save_published_layout,
+    snapshot,
+    strategy_runs,
+    tiny_llada,
+    tokenizer,
+    train,
+)
 from torch import nn
 
 from jetrl_trainer import JetGRPOConfig, JetGRPOTrainer
 from jetrl_trainer.correctors import MISMATCH_METRICS
-from jetrl_trainer.diffusion import DiffusionBackend, DiffusionSampling, DiffusionScorer, build_tiny_llada
+from jetrl_trainer.diffusion import DiffusionBackend, DiffusionSampling, DiffusionScorer
 from jetrl_trainer.diffusion import elbo_logps, mask_seeds_for_step, mean_field_logps, register_estimator
 from jetrl_trainer.diffusion import rollout as diffusion_rollout
 from jetrl_trainer.diffusion.scoring import select_iteration
@@ -26,19 +35,6 @@ FAST = dict(
     gradient_checkpointing=False, save_strategy="no", disable_tqdm=True, seed=0,
 )  # fmt: skip
 LINEARS = 2 * 7  # tiny LLaDA: 2 blocks x (q, k, v, attn_out, ff_proj, up_proj, ff_out); the LM head stays nn.Linear
-AUTO_MAP = {  # the published config.json carries it (and TRL reads it when it loads a reference model by path)
-    "AutoConfig": "configuration_llada.LLaDAConfig",
-    "AutoModel": "modeling_llada.LLaDAModelLM",
-    "AutoModelForCausalLM": "modeling_llada.LLaDAModelLM",
-}
-
-
-def tiny_llada(seed: int = 0):
-    tok = tokenizer()
-    return build_tiny_llada(
-        vocab_size=len(tok), mask_token_id=tok.mask_token_id, eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id, seed=seed,
-    )  # fmt: skip
 
 
 def make_trainer(tmp_path, model=None, trainer_kwargs=None, **overrides):
@@ -47,15 +43,6 @@ def make_trainer(tmp_path, model=None, trainer_kwargs=None, **overrides):
         tiny_llada() if model is None else model, byte_reward, args=args, train_dataset=prompts(),
         processing_class=tokenizer(), **(trainer_kwargs or {}),
     )  # fmt: skip
-
-
-def save_published_layout(path) -> str:
-    """A tiny checkpoint as the Hub has LLaDA: config keys, weight names and the remote-code auto_map."""
-    tiny_llada().save_pretrained(path)
-    tokenizer().save_pretrained(path)
-    config = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**config, "auto_map": AUTO_MAP}))
-    return str(path)
 
 
 # ------------------------------------------------------------------ every strategy, one step each
