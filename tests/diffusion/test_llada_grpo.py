@@ -339,7 +339,8 @@ def test_autoregressive_models_get_the_autoregressive_backend_and_scorer(tmp_pat
     from jetrl_trainer.rollout import HFGenerateBackend
     from jetrl_trainer.scoring import AutoregressiveScorer
 
-    trainer = make_trainer(tmp_path, tiny_model(), diffusion_steps=None)  # refused for an AR model (test_inputs.py)
+    # refused for an AR model (tests/trainer/test_inputs.py)
+    trainer = make_trainer(tmp_path, tiny_model(), diffusion_steps=None)
     assert type(trainer) is JetGRPOTrainer
     assert isinstance(trainer.rollout_backend, HFGenerateBackend)
     assert isinstance(trainer.policy_scorer, AutoregressiveScorer) and not trainer.policy_scorer.sliced

@@ -1,7 +1,7 @@
 """examples/quickstart.py as a user runs it: a subprocess, offline, writing its metrics and plot.
 
 The fast mode runs in CI. The full run (~30 s on 2 idle cores; asserts that the reward goes up) is
-opt-in: ``JETRL_RUN_SLOW=1 pytest tests/test_quickstart.py``.
+opt-in: ``JETRL_RUN_SLOW=1 pytest tests/examples/test_quickstart.py``.
 """
 
 from __future__ import annotations

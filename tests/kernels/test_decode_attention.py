@@ -1,13 +1,19 @@
 """Split-KV decode attention (kernels/triton_decode_attention.py): the reference on CPU, the kernel
-on CUDA against it (GQA, ragged live lengths, every split count, dtypes), and CUDA-graph replay."""
+on CUDA against it (GQA, ragged live lengths, every split count, dtypes), and CUDA-graph replay; in
+Triton's interpreter, live positions, FP8 caches and the output's FP8 quant; compiled for sm_90,
+pipelined tile loads and the reduction."""
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
+from _sm90 import compile_sm90
 
-from jetrl_trainer.kernels.settings import DecodeAttentionSettings
+from jetrl_trainer.kernels.settings import DecodeAttentionSettings, QuantKernelSettings
 from jetrl_trainer.kernels.triton_decode_attention import decode_attention, decode_attention_reference, plan_splits
+from jetrl_trainer.quant.fp8 import quantize_fp8_groups
 from jetrl_trainer.rollout.engine.attention import decode_attention as engine_sdpa_attention
 
 SHAPES = [  # B, H, H_kv, T, D, slots
@@ -315,3 +321,145 @@ def test_matched_decode_lines_its_tiles_up_with_a_padded_training_forward():
         differ[name] = wrong / total
     assert differ["aligned"] < 2e-3, differ
     assert differ["unaligned"] > 10 * max(differ["aligned"], 1e-4), differ
+
+
+# -- in Triton's interpreter on CPU tensors (TRITON_INTERPRET=1 pytest -m interpreter) -----------------------
+
+
+def _attention(q, k, v, slots, lengths, scale, *, splits, block_n, flash_order, pads=None, k_scale=None, v_scale=None):
+    """The decode attention's host launch code (the custom op's implementation), on CPU tensors."""
+    from jetrl_trainer.kernels import triton_decode_attention as kernel
+    from jetrl_trainer.kernels.settings import DecodeAttentionSettings
+
+    launch = DecodeAttentionSettings()
+    out, _, _ = kernel._decode_attention_op._init_fn(q, k, v, slots, lengths, scale, splits, k_scale, v_scale,
+                                                     block_n, flash_order, "", pads, launch.num_warps,
+                                                     launch.loop_stages, True)  # fmt: skip
+    return out
+
+
+def _attention_inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(4, 4, 32, generator=g)
+    k, v = torch.randn(5, 2, 70, 32, generator=g), torch.randn(5, 2, 70, 32, generator=g)
+    slots = torch.tensor([3, 0, 4, 1])
+    lengths = torch.tensor([1, 17, 70, 40])
+    for b in range(4):  # what lies past a row's length must never be read
+        k[slots[b], :, lengths[b] :] = float("nan")
+        v[slots[b], :, lengths[b] :] = float("nan")
+    return q, k, v, slots, lengths
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("block_n, flash_order", [(16, True), (32, False)])
+def test_decode_attention_reads_live_positions_only_with_or_without_pads(splits, block_n, flash_order):
+    from jetrl_trainer.kernels.triton_decode_attention import decode_attention_reference
+
+    q, k, v, slots, lengths = _attention_inputs()
+    ref = decode_attention_reference(q, k.nan_to_num(0.0), v.nan_to_num(0.0), slots, lengths, 0.17)
+    options = dict(splits=splits, block_n=block_n, flash_order=flash_order)
+    plain = _attention(q, k, v, slots, lengths, 0.17, **options)
+    shifted = _attention(q, k, v, slots, lengths, 0.17, pads=torch.tensor([0, 5, block_n - 1, 3 * block_n + 2]),
+                         **options)  # fmt: skip
+    for out in (plain, shifted):
+        assert torch.isfinite(out).all() and torch.allclose(out, ref, atol=1e-5, rtol=0)
+    if splits == 1:  # whole tiles of padding leave every tile boundary where it was: the same bits
+        whole = _attention(q, k, v, slots, lengths, 0.17, pads=torch.tensor([0, block_n, 2 * block_n, 7 * block_n]),
+                           **options)  # fmt: skip
+        assert torch.equal(whole, plain)
+
+
+@pytest.mark.interpreter
+def test_decode_attention_over_an_fp8_cache_dequantizes_as_the_reference():
+    from jetrl_trainer.kernels.triton_decode_attention import decode_attention_reference
+
+    q, k, v, slots, lengths = _attention_inputs(seed=1)
+    k, v = k.nan_to_num(0.0), v.nan_to_num(0.0)
+    (k8, ks), (v8, vs) = (quantize_fp8_groups(x, 32) for x in (k, v))
+    ks, vs = ks[..., 0], vs[..., 0]
+    out = _attention(q, k8, v8, slots, lengths, 0.17, splits=2, block_n=16, flash_order=False,
+                     pads=torch.tensor([1, 2, 3, 4]), k_scale=ks, v_scale=vs)  # fmt: skip
+    ref = decode_attention_reference(q, k8, v8, slots, lengths, 0.17, k_scale=ks, v_scale=vs)
+    assert torch.allclose(out, ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("heads, kv_heads", [(8, 2), (6, 2), (2, 2)])
+@pytest.mark.parametrize("splits", [1, 2])
+@pytest.mark.parametrize("scale_format", ["fp32", "ue8m0"])
+def test_decode_attention_output_quant_with_and_without_its_padding_rows(heads, kv_heads, splits, scale_format):
+    """``quantize_output``: the output's 1x128 FP8 quantization is the act-quant kernel's of the output,
+    bit for bit, from phase 1 (one split) and from phase 2; the scales are ``quantize_fp8_groups``'s and
+    the output is the reference's. Phase 1 drops the MMA's padding rows first (4, 3 and 1 real query
+    heads per KV head in 16 rows); phase 2 has none to drop: with one split both give the same output
+    and quantization, bit for bit. (Against the act-quant kernel, not torch: the interpreter's FP8 cast
+    rounds some quotients differently from the GPU's; the GPU test compares with torch.)"""
+    from jetrl_trainer.kernels import triton_decode_attention as kernel
+    from jetrl_trainer.kernels import triton_quant
+    from jetrl_trainer.kernels.settings import DecodeAttentionSettings
+
+    g = torch.Generator().manual_seed(heads + splits)
+    q = torch.randn(3, heads, 128, generator=g)
+    k, v = torch.randn(4, kv_heads, 40, 128, generator=g), torch.randn(4, kv_heads, 40, 128, generator=g)
+    slots, lengths = torch.tensor([2, 0, 3]), torch.tensor([1, 33, 40])
+    launch = DecodeAttentionSettings()
+    results = [kernel._decode_attention_op._init_fn(q, k, v, slots, lengths, 0.09, splits, None, None, 16, False,
+                                                    scale_format, None, launch.num_warps, launch.loop_stages, direct)
+               for direct in (True, False)]  # fmt: skip
+    (out, out_q, out_s), (two_phase, two_phase_q, two_phase_s) = results
+    assert torch.equal(two_phase, out) and torch.equal(two_phase_q.view(torch.uint8), out_q.view(torch.uint8))
+    assert torch.equal(two_phase_s, out_s)
+    ref = kernel.decode_attention_reference(q, k, v, slots, lengths, 0.09)
+    assert torch.allclose(out, ref, atol=1e-5, rtol=0)
+    flat = out.reshape(3, heads * 128)
+    act = QuantKernelSettings()  # the act-quant custom op's default launch
+    launch_q = list(act.act), list(act.act_transposed)
+    want_q, want_s = triton_quant._act_quant_op._init_fn(flat, 128, scale_format, *launch_q)
+    assert torch.equal(out_q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(out_s, want_s)
+    assert torch.equal(out_s, quantize_fp8_groups(flat, 128, scale_format=scale_format)[1])
+    assert out_q.view(torch.uint8).any()
+
+
+# -- compiled for sm_90 without a GPU (JETRL_COMPILE_SM90=1 pytest -m sm90) ----------------------------------
+
+
+_ATTENTION_POINTERS = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", slots_ptr="*i64", lengths_ptr="*i64",
+                           pads_ptr="*i64", m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", ks_ptr="*fp32",
+                           vs_ptr="*fp32", out_ptr="*bf16", oq_ptr="*u8", os_ptr="*fp32")  # fmt: skip
+
+
+@pytest.mark.sm90
+@pytest.mark.parametrize("direct, quant, flash_order, pads", [(True, True, False, True), (True, False, False, True),
+                                                               (False, False, True, False), (True, True, True, True)])
+@pytest.mark.parametrize("kv_fp8", [False, True])
+def test_decode_attention_compiles_with_pipelined_tile_loads(direct, quant, flash_order, pads, kv_fp8):
+    """The split kernel in the engine's launches (8B head layout: 4 query heads per KV head, 128-position
+    tiles, ``DecodeAttentionSettings()``): BF16 or FP8 caches, cuDNN or flash order, one split writing
+    the output (with the o projection's FP8 quant) or partials; the shipped ``loop_stages`` turns the
+    tile loads into asynchronous copies (what it exists for), and the query heads meet K and V in
+    tensor-core MMAs."""
+    from jetrl_trainer.kernels.settings import DecodeAttentionSettings
+
+    jit = importlib.import_module("jetrl_trainer.kernels._triton_decode_attention_jit")
+    settings = DecodeAttentionSettings()
+    constexprs = dict(GROUPS=4, G_PAD=16, D=128, BLOCK_N=128, PRECISION="tf32", KV_FP8=kv_fp8, FLASH_ORDER=flash_order,
+                      DIRECT=direct, H=32, QUANT=quant, UE8M0=False, HAS_PADS=pads, LOOP_STAGES=settings.loop_stages)
+    pointers = dict(_ATTENTION_POINTERS, **(dict(k_ptr="*fp8e4nv", v_ptr="*fp8e4nv") if kv_fp8 else {}))
+    ptx = compile_sm90(jit.decode_attention_split_kernel, pointers, constexprs, floats=("scale", "scale_log2"),
+                       launch=dict(num_warps=settings.num_warps))  # fmt: skip
+    assert "mma.sync" in ptx
+    assert settings.loop_stages < 2 or "cp.async.cg.shared.global" in ptx or "cp.async.ca.shared.global" in ptx
+    assert ("cvt.rn.satfinite.e4m3x2.f32" in ptx) == quant  # the output's FP8 quant only where asked
+
+
+@pytest.mark.sm90
+@pytest.mark.parametrize("splits, quant", [(2, False), (3, True), (8, True)])
+def test_decode_attention_reduce_compiles(splits, quant):
+    jit = importlib.import_module("jetrl_trainer.kernels._triton_decode_attention_jit")
+    pointers = dict(m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", out_ptr="*bf16", oq_ptr="*u8", os_ptr="*fp32")
+    constexprs = dict(SPLITS=splits, S_PAD=max(2, 1 << (splits - 1).bit_length()), D=128, FLASH_ORDER=True, H=32,
+                      QUANT=quant, UE8M0=False)  # fmt: skip
+    ptx = compile_sm90(jit.decode_attention_reduce_kernel, pointers, constexprs, floats=("m_scale",),
+                       launch=dict(num_warps=4))  # fmt: skip
+    assert ("cvt.rn.satfinite.e4m3x2.f32" in ptx) == quant

@@ -1,13 +1,17 @@
 """The decode-sized FP8 linear (kernels/triton_decode_gemm.py): its launch plan, settings and dispatch
 on CPU; on CUDA, the GEMM against the dequantized reference, bias, determinism, split sums, grouped
-launches, CUDA-graph replay, and that a rollout-phase ``QuantLinear`` takes it at decode M and only there."""
+launches, CUDA-graph replay, and that a rollout-phase ``QuantLinear`` takes it at decode M and only there;
+in Triton's interpreter, the single and grouped launches and their partials; compiled for sm_90, wgmma,
+pipelined loads and the split-K reduction."""
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import pytest
 import torch
+from _sm90 import compile_sm90
 
 from jetrl_trainer import kernels
 from jetrl_trainer.kernels import triton_decode_gemm as dg
@@ -373,3 +377,122 @@ def test_grouped_partials_refuse_bad_operands():
         dg.fp8_decode_gemm_grouped_partials(*quantize_fp8_groups(torch.randn(4, 256)), [w] * 4)
     with pytest.raises(ValueError, match="CUDA"):
         dg.fp8_decode_gemm_grouped_partials(*quantize_fp8_groups(torch.randn(4, 256)), [w, w])
+
+
+# -- in Triton's interpreter on CPU tensors (TRITON_INTERPRET=1 pytest -m interpreter) -----------------------
+
+# Triton's interpreter rounds FP32 -> BF16 toward zero where the GPU rounds to nearest even (2.6856
+# becomes 2.671875, not torch's 2.6875), so the bit tests here compare FP32 results; the CUDA tests
+# compare BF16 bits.
+
+
+def _reference_gemm(x_q, x_s, w_q, w_s):
+    return dequantize_fp8_groups(x_q, x_s).double() @ dequantize_fp8_blocks(w_q, w_s).double().t()
+
+
+GEMMS = [(5, [200], 400), (16, [256, 64, 64], 512), (33, [128, 192], 384), (64, [130], 256), (16, [256, 64, 64], 2048)]
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("m, widths, k", GEMMS)
+def test_decode_gemm_single_and_grouped_match_the_reference(m, widths, k):
+    """The decode GEMM's host launch and kernel: single and grouped launches, swapped (M < 64) and not,
+    ragged M, N and K, one K split or several, with and without biases (in a grouped launch each
+    segment adds its own, in FP32)."""
+    from jetrl_trainer.kernels import triton_decode_gemm as dg
+
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, k, generator=g) * 3
+    x_q, x_s = (t.contiguous() for t in quantize_fp8_groups(x))
+    weights = [tuple(t.contiguous() for t in quantize_fp8_blocks(torch.randn(n, k, generator=g) * 0.05)) for n in widths]
+    biases = [torch.randn(n, generator=g) for n in widths]
+    launch = dg.plan(m, widths, k, 132)  # the H100's and H200's SM count
+    assert launch.splits > 1 or launch.groups_per_split > 1  # the scale look-ahead crosses a group boundary
+    if len(weights) == 1:
+        plain = [dg._decode_gemm_op._init_fn(x_q, x_s, *weights[0], None, torch.float32, launch)]
+        with_bias = [dg._decode_gemm_op._init_fn(x_q, x_s, *weights[0], biases[0], torch.float32, launch)]
+    else:
+        w_qs, w_ss = [w for w, _ in weights], [s for _, s in weights]
+        plain = dg._decode_grouped_op._init_fn(x_q, x_s, w_qs, w_ss, [None] * len(weights), torch.float32, launch)
+        with_bias = dg._decode_grouped_op._init_fn(x_q, x_s, w_qs, w_ss, biases, torch.float32, launch)
+    for (w_q, w_s), bias, a, b in zip(weights, biases, plain, with_bias):
+        want = _reference_gemm(x_q, x_s, w_q, w_s)
+        assert torch.allclose(a.double(), want, atol=1e-4, rtol=1e-5)
+        assert torch.allclose(b.double(), want + bias.double(), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("m, widths, k", [(16, [256, 64, 64], 512), (16, [256, 64, 64], 2048), (5, [128, 192], 384)])
+def test_grouped_partials_reduce_to_the_bits_of_the_grouped_launch(m, widths, k):
+    """``fp8_decode_gemm_grouped_partials``: the weights' FP32 split sums side by side, one split (the
+    ``PARTIALS`` store) or several; added in split order, plus each weight's bias, they are the
+    grouped launch's outputs, bit for bit."""
+    from jetrl_trainer.kernels import triton_decode_gemm as dg
+
+    g = torch.Generator().manual_seed(k + m)
+    x_q, x_s = (t.contiguous() for t in quantize_fp8_groups(torch.randn(m, k, generator=g) * 3))
+    weights = [tuple(t.contiguous() for t in quantize_fp8_blocks(torch.randn(n, k, generator=g) * 0.05)) for n in widths]
+    biases = [torch.randn(n, generator=g) for n in widths]
+    w_qs, w_ss = [w for w, _ in weights], [s for _, s in weights]
+    launch = dg.plan(m, widths, k, 132)
+    parts = dg._decode_grouped_partials_op._init_fn(x_q, x_s, w_qs, w_ss, launch)
+    assert parts.shape == (launch.splits, m, sum(widths))
+    want = dg._decode_grouped_op._init_fn(x_q, x_s, w_qs, w_ss, biases, torch.float32, launch)
+    acc = parts[0].clone()
+    for part in parts[1:]:
+        acc += part
+    for got, bias, ref in zip(acc.split(widths, dim=-1), biases, want):
+        assert torch.equal(got + bias, ref)
+
+
+# -- compiled for sm_90 without a GPU (JETRL_COMPILE_SM90=1 pytest -m sm90) ----------------------------------
+
+
+def _gemm_pointers() -> dict[str, str]:
+    types = dict(x_ptr="*fp8e4nv", w_ptr="*fp8e4nv", w1_ptr="*fp8e4nv", w2_ptr="*fp8e4nv", out_ptr="*bf16",
+                 out1_ptr="*bf16", out2_ptr="*bf16")  # fmt: skip
+    for name in ("xs_ptr", "ws_ptr", "part_ptr", "bias_ptr", "ws1_ptr", "bias1_ptr", "ws2_ptr", "bias2_ptr"):
+        types[name] = "*fp32"
+    return types
+
+
+@pytest.mark.sm90
+@pytest.mark.parametrize("block_m, block_n, swap, segments", [(16, 64, True, 3), (64, 64, False, 1), (64, 128, False, 2)])
+def test_decode_gemm_compiles_with_wgmma_and_pipelined_loads(block_m, block_n, swap, segments):
+    """The shipped launch (``DecodeGemmSettings()``'s warps and stages): Hopper's wgmma, and the tile
+    loads pipelined (asynchronous copies into shared memory; two scale look-aheads made Triton 3.6
+    load the tiles synchronously instead)."""
+    from jetrl_trainer.kernels.settings import DecodeGemmSettings
+
+    jit = importlib.import_module("jetrl_trainer.kernels._triton_decode_gemm_jit")
+    settings = DecodeGemmSettings()
+    constexprs = dict(GROUPS_PER_SPLIT=4, SPLITS=2, BLOCK_M=block_m, BLOCK_N=block_n, SWAP=swap, HAS_BIAS=False,
+                      SEGMENTS=segments, PARTIALS=False)  # fmt: skip
+    ptx = compile_sm90(jit.fp8_decode_gemm_kernel, _gemm_pointers(), constexprs,
+                       launch=dict(num_warps=settings.num_warps, num_stages=settings.num_stages))  # fmt: skip
+    assert "wgmma" in ptx
+    assert "cp.async.cg.shared.global" in ptx
+
+
+@pytest.mark.sm90
+@pytest.mark.parametrize("partials", [False, True])
+def test_one_split_grouped_launch_stores_its_partials_only_where_asked(partials):
+    """``PARTIALS`` (``fp8_decode_gemm_grouped_partials`` with one K split): the FP32 sums go to the
+    partials layout, and the output dtype's conversion and the bias are gone."""
+    jit = importlib.import_module("jetrl_trainer.kernels._triton_decode_gemm_jit")
+    constexprs = dict(GROUPS_PER_SPLIT=4, SPLITS=1, BLOCK_M=16, BLOCK_N=64, SWAP=True, HAS_BIAS=True, SEGMENTS=3,
+                      PARTIALS=partials)  # fmt: skip
+    ptx = compile_sm90(jit.fp8_decode_gemm_kernel, _gemm_pointers(), constexprs, launch=dict(num_warps=4, num_stages=3))
+    assert "wgmma" in ptx
+    assert ("cvt.rn.bf16" in ptx) != partials  # the BF16 output's rounding only without partials
+
+
+@pytest.mark.sm90
+@pytest.mark.parametrize("segments, bias", [(1, False), (3, True)])
+def test_splitk_reduce_compiles(segments, bias):
+    jit = importlib.import_module("jetrl_trainer.kernels._triton_decode_gemm_jit")
+    pointers = dict(part_ptr="*fp32", bias_ptr="*bf16", out_ptr="*bf16", bias1_ptr="*bf16", out1_ptr="*bf16",
+                    bias2_ptr="*bf16", out2_ptr="*bf16")  # fmt: skip
+    constexprs = dict(SPLITS=3, HAS_BIAS=bias, BLOCK=1024, SEGMENTS=segments)
+    ptx = compile_sm90(jit.splitk_reduce_kernel, pointers, constexprs, launch=dict(num_warps=4))
+    assert "ld.global" in ptx and "st.global" in ptx

@@ -1,18 +1,23 @@
-"""CPU-side checks of the GPU kernel modules: import without Triton/CUDA, registry, layouts, references."""
+"""The kernels package as a whole (kernels/__init__.py): it imports and falls back without Triton, CUDA or
+with broken GPU modules; its custom ops' fake shapes, opcheck and torch.compile; every launched kernel
+compiles for sm_90 (each kernel's own tests sit in the file of its module)."""
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
 import textwrap
 
 import pytest
 import torch
+from _sm90 import compile_sm90
 
-from jetrl_trainer.kernels import available_gemm_backends, fp8_gemm_nt, registered_gemm_backends
-from jetrl_trainer.kernels.scaled_mm import M_ALIGN, prepare_scaled_mm_operands, scaled_mm_available
-from jetrl_trainer.kernels.triton_gemm import triton_gemm_available
+from jetrl_trainer.kernels import triton_available
 from jetrl_trainer.quant.fp8 import quantize_fp8_blocks, quantize_fp8_groups
+from jetrl_trainer.quant.testing import assert_bits_equal
+
+TRITON = pytest.mark.skipif(not triton_available(), reason="needs Triton")
 
 
 def test_kernels_import_and_fall_back_without_triton():
@@ -99,66 +104,6 @@ def test_cpu_path_survives_broken_gpu_modules():
         assert f"skipping jetrl_trainer.kernels.{name} (RuntimeError: simulated broken GPU build)" in out.stderr
 
 
-def test_registry_on_cpu():
-    assert {"scaled_mm", "triton", "emulated"} <= set(registered_gemm_backends())
-    assert available_gemm_backends("cpu") == ["emulated"]
-    assert not scaled_mm_available(torch.device("cpu"))
-    assert not triton_gemm_available(torch.device("cpu"))
-    order = registered_gemm_backends()
-    assert order.index("scaled_mm") < order.index("triton") < order.index("emulated")
-
-
-def test_forcing_a_gpu_backend_on_cpu_is_a_value_error():
-    a = quantize_fp8_groups(torch.randn(4, 128))
-    b = quantize_fp8_blocks(torch.randn(8, 128))
-    with pytest.raises(ValueError, match="not available"):
-        fp8_gemm_nt(a, b, backend="scaled_mm")
-
-
-def _is_blockwise_1x128(t: torch.Tensor, scale: torch.Tensor) -> bool:
-    # Python transcription of ATen's is_blockwise_1x128_scaling (ScaledBlas.cpp).
-    return (
-        scale.dtype == torch.float32
-        and scale.dim() == 2
-        and scale.shape == (t.shape[0], -(-t.shape[1] // 128))
-        and (scale.shape[0] == 1 or scale.stride(0) == 1)  # ATen ignores the stride of a size-1 dim
-        and (scale.shape[1] == 1 or scale.stride(1) == t.shape[0])
-    )
-
-
-def _is_blockwise_128x128(t: torch.Tensor, scale: torch.Tensor) -> bool:
-    groups = -(-t.shape[1] // 128)
-    return (
-        scale.dtype == torch.float32
-        and scale.shape == (-(-t.shape[0] // 128), groups)
-        and scale.stride(0) in (groups, -(-groups // 4) * 4)
-        and scale.stride(1) == 1
-    )
-
-
-@pytest.mark.parametrize("granularity", ("block", "group"))
-@pytest.mark.parametrize("m,n,k", [(7, 100, 300), (64, 256, 512), (1, 130, 640), (33, 48, 100)])
-def test_scaled_mm_operands_layout_and_padding(m, n, k, granularity):
-    torch.manual_seed(m + n + k)
-    a_q, a_s = quantize_fp8_groups(torch.randn(m, k))
-    b_q, b_s = quantize_fp8_blocks(torch.randn(n, k)) if granularity == "block" else quantize_fp8_groups(torch.randn(n, k))
-    a, b, sa, sb = prepare_scaled_mm_operands(a_q, a_s, b_q, b_s, granularity)
-    k_pad = -(-k // 512) * 512  # ceil(K/128) rounded up to a multiple of 4 groups
-    n_pad, m_pad = -(-n // 16) * 16, -(-m // M_ALIGN) * M_ALIGN
-    assert a.shape == (m_pad, k_pad) and a.is_contiguous()
-    assert b.shape == (k_pad, n_pad) and b.stride() == (1, k_pad)  # column-major [K, N]
-    assert _is_blockwise_1x128(a, sa)
-    bt = b.t()  # ATen checks scale_b.t() against b.t() = [N', K'] row-major
-    assert (_is_blockwise_128x128 if granularity == "block" else _is_blockwise_1x128)(bt, sb.t())
-    # Padding adds exact zeros: the emulated GEMM on padded operands equals the unpadded one.
-    want = fp8_gemm_nt((a_q, a_s), (b_q, b_s), b_granularity=granularity, out_dtype=torch.float32)
-    b_rows = bt.contiguous()
-    sb_rows = sb.t().contiguous()
-    got = fp8_gemm_nt((a, sa.contiguous()), (b_rows, sb_rows), b_granularity=granularity, out_dtype=torch.float32)
-    assert torch.equal(got[:m, :n], want)
-    assert not got[m:].any() and not got[:, n:].any()  # padding contributes exact zeros
-
-
 def test_custom_op_fake_shapes_on_meta():
     import jetrl_trainer.kernels  # noqa: F401  (registers the ops)
 
@@ -180,28 +125,103 @@ def test_custom_op_fake_shapes_on_meta():
     assert out.shape == (300, 300) and out.dtype == torch.bfloat16
 
 
-def test_out_layout_error_names_what_cannot_take_a_quantized_pair():
-    # The one check behind weight_quant_fp8 / transpose_fp8_blocks(out=): the kernel refuses with it, and
-    # the dispatcher uses it to fall back to fresh tensors (a moved or re-shaped weight).
-    from jetrl_trainer.kernels.triton_quant import out_layout_error
-
-    w = torch.randn(256, 384)
-    q, s = quantize_fp8_blocks(w)
-    shapes = ((256, 384), (2, 3))
-    assert out_layout_error((q, s), w, shapes) is None
-    assert "contiguous torch.float32 (2, 3)" in out_layout_error((q, s[:, :2]), w, shapes)
-    assert "not contiguous" in out_layout_error((q.t(), s.t()), w, ((384, 256), (3, 2)))
-    assert "torch.float8_e4m3fn" in out_layout_error((q.float(), s), w, shapes)
-    assert "1 tensors, not 2" in out_layout_error((q,), w, shapes)
+# -- on CUDA -------------------------------------------------------------------------------------------------
 
 
-def test_quant_kernel_settings_refuse_what_triton_cannot_launch():
+@pytest.mark.gpu
+@TRITON
+def test_custom_ops_pass_opcheck():
+    """Schema, fake (meta) implementations and dispatcher registration of every custom op."""
+    from jetrl_trainer.kernels import act_quant_fp8  # noqa: F401  (registers the ops)
     from jetrl_trainer.kernels.settings import QuantKernelSettings
 
-    assert QuantKernelSettings(act=(8, 4, 4), requant_block_k=64) != QuantKernelSettings()
-    with pytest.raises(ValueError, match="act must be a tuple of three positive ints"):
-        QuantKernelSettings(act=(16, 2))
-    with pytest.raises(ValueError, match="transpose must be powers of two"):
-        QuantKernelSettings(transpose=(64, 200, 8))
-    with pytest.raises(ValueError, match="requant_warps must be a positive int"):
-        QuantKernelSettings(requant_warps=0)
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+    q, s = quantize_fp8_groups(x)
+    wq, ws = quantize_fp8_blocks(x)
+    launch = QuantKernelSettings()
+    act, requant = (list(launch.act), list(launch.act_transposed)), (launch.requant_block_k, launch.requant_warps)
+    weight, transpose = launch.weight_warps, list(launch.transpose)
+    cases = [
+        (torch.ops.jetrl.act_quant_fp8.default, (x, 128, "fp32", *act)),
+        (torch.ops.jetrl.act_quant_fp8.default, (x.t(), 128, "fp32", *act)),  # the transposed launch
+        (torch.ops.jetrl.weight_quant_fp8.default, (x, 128, "ue8m0", weight)),
+        (torch.ops.jetrl.requant_transpose_fp8.default, (q, s, 128, "fp32", *requant)),
+        (torch.ops.jetrl.transpose_fp8_blocks.default, (wq, ws, transpose)),
+        (torch.ops.jetrl.weight_quant_fp8_into.default,
+         (x, torch.empty_like(wq), torch.empty_like(ws), 128, "fp32", weight)),
+        (torch.ops.jetrl.transpose_fp8_blocks_into.default,
+         (wq, ws, torch.empty_like(wq.t()), torch.empty_like(ws.t()), transpose)),
+        (torch.ops.jetrl.rmsnorm_quant_fp8.default, (x, torch.ones_like(x[0]), 1e-6, "fp32", True)),
+        (torch.ops.jetrl.rmsnorm_quant_fp8.default, (x, torch.ones_like(x[0]), 1e-6, "fp32", False)),  # y only
+        (torch.ops.jetrl.swiglu_quant_fp8.default, (x, x, "fp32")),
+    ]
+    for op, args in cases:
+        # (opcheck's test_schema compares outputs with arithmetic that has no FP8 kernels)
+        torch.library.opcheck(op, args, test_utils=("test_faketensor",))
+
+
+@pytest.mark.gpu
+@TRITON
+def test_kernels_compile_fullgraph():
+    """The custom ops trace under torch.compile with no graph break and give the same bits."""
+    from jetrl_trainer.kernels import act_quant_fp8, requant_transpose_fp8
+
+    def step(x):
+        q, s = act_quant_fp8(x)
+        return requant_transpose_fp8(q, s)
+
+    x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
+    compiled = torch.compile(step, fullgraph=True)
+    for got, want in zip(compiled(x), step(x)):
+        assert_bits_equal(got, want, "compiled")
+
+
+# -- compiled for sm_90 without a GPU (JETRL_COMPILE_SM90=1 pytest -m sm90) ----------------------------------
+
+
+@pytest.mark.sm90
+def test_the_other_kernels_compile():
+    """The FP8 weight transpose, RMSNorm's backward, the Triton FP8 GEMM, RoPE + append, and the sampler's sums."""
+    quant = importlib.import_module("jetrl_trainer.kernels._triton_quant_jit")
+    fused = importlib.import_module("jetrl_trainer.kernels._triton_fused_jit")
+    gemm = importlib.import_module("jetrl_trainer.kernels._triton_gemm_jit")
+    rope = importlib.import_module("jetrl_trainer.kernels._triton_rope_jit")
+    sampling = importlib.import_module("jetrl_trainer.kernels._triton_sampling_jit")
+    compile_sm90(quant.transpose_u8_kernel, dict(x_ptr="*u8", y_ptr="*u8"), dict(BLOCK_R=64, BLOCK_C=256),
+                 launch=dict(num_warps=8))  # fmt: skip
+    compile_sm90(fused.rmsnorm_backward_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", dy_ptr="*bf16", dx_ptr="*bf16",
+                                                     dw_part_ptr="*fp32"),
+                 dict(BLOCK_K=128, ROWS=32), floats=("k_float", "eps"), launch=dict(num_warps=8))  # fmt: skip
+    ptx = compile_sm90(gemm.fp8_gemm_nt_kernel, dict(a_ptr="*fp8e4nv", b_ptr="*fp8e4nv", c_ptr="*bf16", as_ptr="*fp32",
+                                                     bs_ptr="*fp32"),
+                       dict(B_BLOCK=True, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8),
+                       launch=dict(num_warps=8, num_stages=4))  # fmt: skip
+    assert "wgmma" in ptx
+    for splits, qkv in ((0, "*bf16"), (3, "*fp32")):  # q/k/v as such, or a grouped GEMM's split sums
+        compile_sm90(rope.rope_append_kernel, dict(q_ptr=qkv, k_ptr=qkv, v_ptr=qkv, cos_ptr="*bf16", sin_ptr="*bf16",
+                                                   q_out_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16",
+                                                   slots_ptr="*i64", positions_ptr="*i64", k_scale_ptr="*bf16",
+                                                   v_scale_ptr="*bf16", q_norm_ptr="*bf16", k_norm_ptr="*bf16",
+                                                   q_bias_ptr="*bf16", k_bias_ptr="*bf16", v_bias_ptr="*bf16"),
+                     dict(H=32, D=128, KV_FP8=False, NORM=True, LEVELS=6, SPLITS=splits, HAS_BIAS=splits > 0),
+                     floats=("q_eps", "k_eps"), launch=dict(num_warps=1, enable_fp_fusion=False))  # fmt: skip
+    ptx = compile_sm90(sampling.block_sums_fp64_kernel, dict(p_ptr="*fp32", out_ptr="*fp64"), dict(BLOCK=1024),
+                       launch=dict(num_warps=4))  # fmt: skip
+    assert "add.f64" in ptx or "add.rn.f64" in ptx
+
+
+@pytest.mark.sm90
+def test_every_launched_kernel_is_compiled_here():
+    """A kernel the package launches (``jit.<name>[grid](...)``) and no ``sm90`` test of this folder
+    compiles would reach the H200 unchecked."""
+    import pathlib
+    import re
+
+    kernels = pathlib.Path(importlib.import_module("jetrl_trainer.kernels").__file__).parent
+    launched = {name for path in kernels.glob("*.py") for name in re.findall(r"jit\.(\w+)\[", path.read_text())}
+    assert launched  # the pattern still finds the launches
+    sm90_files = (path.read_text() for path in pathlib.Path(__file__).parent.glob("test_*.py"))
+    here = "".join(text for text in sm90_files if "@pytest.mark.sm90" in text)
+    # compiled as ``<module>.<name>`` or listed as a ``"<name>"`` / ``"<name>[VARIANT]"`` key
+    unchecked = {name for name in launched if not re.search(rf'(\.|"){name}\b', here)}
+    assert not unchecked, f"launched by the package but never compiled here: {sorted(unchecked)}"

@@ -1,6 +1,7 @@
 """RoPE + KV append in one launch (kernels/triton_rope_append.py): the same bits as transformers'
 eager ``apply_rotary_pos_emb`` and the engine's indexed cache append, for each supported family's
-rotary module (llama3 scaling included), on CUDA; refused on CPU."""
+rotary module (llama3 scaling included), on CUDA; refused on CPU; in Triton's interpreter, the writes of
+each row and the split-K reduction inside the launch. It compiles for sm_90 in test_kernels.py."""
 
 from __future__ import annotations
 
@@ -163,3 +164,74 @@ def test_from_partials_gives_the_bits_of_the_grouped_gemm_then_rope(norms, bias,
                                     biases=biases or None, qk_norms=qk_norms)  # fmt: skip
     assert torch.equal(got, want)
     assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
+
+
+# -- in Triton's interpreter on CPU tensors (TRITON_INTERPRET=1 pytest -m interpreter) -----------------------
+
+# Triton's interpreter rounds FP32 -> BF16 toward zero where the GPU rounds to nearest even (2.6856
+# becomes 2.671875, not torch's 2.6875), so the bit tests here compare FP32 results; the CUDA tests
+# compare BF16 bits.
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("norms", [False, True])
+def test_rope_append_rotates_and_writes_each_rows_slot_and_position_only(norms):
+    """The engine's RoPE + KV append: rotated q returned, rotated k and v written at (slot, position) of
+    each row and nowhere else; with Qwen3's q/k norms applied first (``rmsnorm_reference``)."""
+    from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
+
+    from jetrl_trainer.kernels import triton_rope_append as kernel
+    from jetrl_trainer.quant.reference import rmsnorm_reference
+
+    g = torch.Generator().manual_seed(int(norms))
+    q, k, v = torch.randn(3, 4, 32, generator=g), torch.randn(3, 2, 32, generator=g), torch.randn(3, 2, 32, generator=g)
+    angles = torch.rand(3, 16, generator=g) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    k_cache, v_cache = torch.full((5, 2, 10, 32), 7.0), torch.full((5, 2, 10, 32), 7.0)
+    slots, positions = torch.tensor([4, 0, 2]), torch.tensor([0, 9, 3])
+    weights = (torch.rand(32, generator=g) + 0.5, torch.rand(32, generator=g) + 0.5)
+    q_norm, k_norm = weights if norms else (None, None)
+    out = kernel._rope_append_op._init_fn(q, k, v, cos, sin, k_cache, v_cache, slots, positions, None, None,
+                                          q_norm, k_norm, 1e-6, 1e-6)  # fmt: skip
+    if norms:
+        q, k = rmsnorm_reference(q, q_norm, 1e-6), rmsnorm_reference(k, k_norm, 1e-6)
+    q_rot, k_rot = apply_rotary_pos_emb(q, k, cos, sin)  # one position per row: cos / sin (B, D) over heads
+    assert torch.allclose(out, q_rot, atol=1e-5, rtol=0)
+    want_k, want_v = torch.full_like(k_cache, 7.0), torch.full_like(v_cache, 7.0)
+    want_k[slots, :, positions], want_v[slots, :, positions] = k_rot, v
+    assert torch.allclose(k_cache, want_k, atol=1e-5, rtol=0) and torch.equal(v_cache, want_v)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("splits, bias, norms", [(1, False, False), (3, True, False), (2, False, True), (4, True, True)])
+def test_rope_append_from_partials_gives_the_bits_of_reducing_first(splits, bias, norms):
+    """The q/k/v split-K reduction inside the RoPE + KV-append launch: the same rotated q and the same
+    cache writes as reducing the partial sums first (in split order, + bias, rounded once: what the
+    GEMM's reduction launch stores) and calling the plain launch on the result."""
+    from jetrl_trainer.kernels import triton_rope_append as kernel
+
+    H, H_kv, D, B, dtype = 4, 2, 32, 3, torch.float32
+    g = torch.Generator().manual_seed(splits)
+    parts = torch.randn(splits, B, (H + 2 * H_kv) * D, generator=g) * 3
+    biases = [torch.randn(w, generator=g).to(dtype) for w in (H * D, H_kv * D, H_kv * D)] if bias else None
+    angles = torch.rand(B, D // 2, generator=g) * 6
+    cos, sin = (torch.cat([f(angles)] * 2, -1).to(dtype) for f in (torch.cos, torch.sin))
+    slots, positions = torch.tensor([4, 0, 2]), torch.tensor([0, 9, 3])
+    norm_args = ((torch.rand(D, generator=g) + 0.5).to(dtype), (torch.rand(D, generator=g) + 0.5).to(dtype), 1e-6, 1e-6) \
+        if norms else (None, None, 0.0, 0.0)  # fmt: skip
+
+    acc = parts[0].clone()
+    for part in parts[1:]:
+        acc += part
+    if bias:
+        acc += torch.cat(biases).float()
+    q, k, v = kernel.partial_views(acc.to(dtype)[None], H, H_kv, D)
+    caches = [torch.full((5, H_kv, 10, D), 7.0, dtype=dtype) for _ in range(4)]
+    want = kernel._rope_append_op._init_fn(q, k, v, cos, sin, caches[0], caches[1], slots, positions, None, None,
+                                           *norm_args)  # fmt: skip
+    q, k, v = kernel.partial_views(parts, H, H_kv, D)
+    got = kernel._rope_append_op._init_fn(q, k, v, cos, sin, caches[2], caches[3], slots, positions, None, None,
+                                          *norm_args, parts, *(biases or (None, None, None)))  # fmt: skip
+    assert got.dtype == dtype and torch.equal(got, want)
+    assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
+    assert not torch.equal(caches[2], torch.full_like(caches[2], 7.0))  # the keys were written

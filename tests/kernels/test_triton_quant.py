@@ -1,4 +1,6 @@
-"""Triton quant kernels vs the pure-torch references, bit for bit, on the same CUDA input.
+"""Triton quant kernels (kernels/triton_quant.py) vs the pure-torch references, bit for bit, on the same
+CUDA input; their out= layouts and launch settings on CPU; launch variants that must agree bit for bit
+in Triton's interpreter; the saturating FP8 cast and IEEE division in their sm_90 PTX.
 
 The reference runs on CUDA too: ATen computes ``amax / 448`` there as a multiply by the FP32
 reciprocal, so CPU and CUDA references can differ in a scale's last bit (see kernels/_triton_quant_jit.py).
@@ -6,20 +8,18 @@ reciprocal, so CPU and CUDA references can differ in a scale's last bit (see ker
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
+from _sm90 import compile_sm90
 
 from jetrl_trainer._choices import FLOAT_DTYPES, SCALE_FORMATS
 from jetrl_trainer.kernels import triton_available
 from jetrl_trainer.quant.fp8 import dequantize_fp8_groups, quantize_fp8_blocks, quantize_fp8_groups
-from jetrl_trainer.quant.reference import rmsnorm_reference, swiglu_reference
-from jetrl_trainer.quant.testing import assert_bits_equal, relative_error
+from jetrl_trainer.quant.testing import assert_bits_equal
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not triton_available(), reason="needs Triton"),
-]
-
+TRITON = pytest.mark.skipif(not triton_available(), reason="needs Triton")
 DTYPES = FLOAT_DTYPES
 FORMATS = SCALE_FORMATS
 ACT_SHAPES = ((1, 1), (3, 100), (7, 128), (33, 300), (130, 1000), (257, 4096), (64, 12288))
@@ -41,6 +41,8 @@ def _activations(m: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     return x.to(dtype)
 
 
+@pytest.mark.gpu
+@TRITON
 @pytest.mark.parametrize("scale_format", FORMATS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", ACT_SHAPES)
@@ -54,6 +56,8 @@ def test_act_quant_bit_exact(shape, dtype, scale_format):
     assert_bits_equal(q, rq, "q")
 
 
+@pytest.mark.gpu
+@TRITON
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
 def test_ue8m0_saturates_huge_finite_inputs_like_the_reference(dtype):
     """amax near the float32 maximum gets the top ue8m0 scale 2^120, where q saturates at 240 (quant/fp8.py)."""
@@ -79,6 +83,8 @@ def test_ue8m0_saturates_huge_finite_inputs_like_the_reference(dtype):
     assert_bits_equal(qt, rqt, "qt")
 
 
+@pytest.mark.gpu
+@TRITON
 @pytest.mark.parametrize("layout", ("transposed", "row_slice"))
 def test_act_quant_strided_input(layout):
     from jetrl_trainer.kernels import act_quant_fp8
@@ -91,6 +97,8 @@ def test_act_quant_strided_input(layout):
     assert_bits_equal(q, rq, "q")
 
 
+@pytest.mark.gpu
+@TRITON
 @pytest.mark.parametrize("group", (32, 64, 256))
 def test_act_quant_other_groups(group):
     from jetrl_trainer.kernels import act_quant_fp8
@@ -102,6 +110,8 @@ def test_act_quant_other_groups(group):
     assert_bits_equal(q, rq, "q")
 
 
+@pytest.mark.gpu
+@TRITON
 @pytest.mark.parametrize("scale_format", FORMATS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", ((1, 1), (128, 128), (300, 500), (1000, 130), (4096, 4096)))
@@ -115,6 +125,8 @@ def test_weight_quant_bit_exact(shape, dtype, scale_format):
     assert_bits_equal(q, rq, "q")
 
 
+@pytest.mark.gpu
+@TRITON
 @pytest.mark.parametrize("scale_format", FORMATS)
 @pytest.mark.parametrize("shape", ((1, 1), (300, 500), (4096, 4096)))
 def test_weight_quant_and_transpose_write_into_given_tensors(shape, scale_format):
@@ -136,6 +148,8 @@ def test_weight_quant_and_transpose_write_into_given_tensors(shape, scale_format
     assert_bits_equal(out_t[1], want_st, "st")
 
 
+@pytest.mark.gpu
+@TRITON
 def test_weight_quant_refuses_out_of_another_layout():
     from jetrl_trainer.kernels import transpose_fp8_blocks, weight_quant_fp8
 
@@ -147,6 +161,8 @@ def test_weight_quant_refuses_out_of_another_layout():
         transpose_fp8_blocks(q, s, out=(q.t(), s.t()))
 
 
+@pytest.mark.gpu
+@TRITON
 @pytest.mark.parametrize("scale_format", FORMATS)
 @pytest.mark.parametrize("shape", ((1, 1), (5, 64), (257, 4096), (128, 128), (300, 200), (8192, 1024), (264, 4096),
                                    (1000, 4112)))  # fmt: skip
@@ -162,6 +178,8 @@ def test_requant_transpose_bit_exact(shape, scale_format):
     assert_bits_equal(qt, rq, "qt")
 
 
+@pytest.mark.gpu
+@TRITON
 @pytest.mark.parametrize("shape", ((1, 1), (100, 300), (4096, 12288)))
 def test_transpose_fp8_blocks_exact(shape):
     from jetrl_trainer.kernels import transpose_fp8_blocks
@@ -174,145 +192,8 @@ def test_transpose_fp8_blocks_exact(shape):
     assert qt.is_contiguous() and st.is_contiguous()
 
 
-@pytest.mark.parametrize("scale_format", FORMATS)
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", ((1, 128), (3, 100), (64, 1000), (257, 4096), (16, 5120), (1037, 128), (70, 256)))
-def test_rmsnorm_quant_bit_exact(shape, dtype, scale_format):
-    from jetrl_trainer.kernels import rmsnorm_quant_fp8
-
-    g = torch.Generator(device="cuda").manual_seed(shape[1])
-    x = (torch.randn(shape, device="cuda", generator=g) * 3).to(dtype)
-    w = (1 + 0.1 * torch.randn(shape[1], device="cuda", generator=g)).to(dtype)
-    y, q, s = rmsnorm_quant_fp8(x, w, 1e-6, scale_format=scale_format)
-    ry = rmsnorm_reference(x, w, 1e-6)
-    rq, rs = quantize_fp8_groups(ry, 128, scale_format=scale_format)
-    assert_bits_equal(y, ry, "y")
-    assert_bits_equal(s, rs, "scale")
-    assert_bits_equal(q, rq, "q")
-    y_only, q_none, s_none = rmsnorm_quant_fp8(x, w, 1e-6, scale_format=scale_format, quantize=False)
-    assert_bits_equal(y_only, ry, "y without quantization")
-    assert q_none.shape[0] == 0 and s_none.shape[0] == 0
-
-
-def test_rmsnorm_reference_close_to_transformers():
-    """Not bit-exact by design (tree sum, sqrt+div instead of rsqrt): ≤ 2 BF16 ulps, mostly equal.
-
-    transformers rounds twice (the normalized value to BF16, then its product with the weight); we
-    round once, so where the two straddle a rounding boundary they sit up to 2 ulps apart.
-    """
-    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
-
-    from jetrl_trainer.kernels import rmsnorm_quant_fp8
-
-    norm = Qwen3RMSNorm(4096, eps=1e-6).to("cuda", torch.bfloat16)
-    with torch.no_grad():
-        norm.weight.normal_(1.0, 0.1)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    x = (torch.randn(512, 4096, device="cuda", generator=g) * 2).to(torch.bfloat16)
-    with torch.no_grad():
-        expected = norm(x)
-        y, _, _ = rmsnorm_quant_fp8(x, norm.weight, norm.variance_epsilon)
-    diff = (y.float() - expected.float()).abs()
-    ulp2 = torch.maximum(y.float().abs(), expected.float().abs()) * 2.0**-6  # ≥ two BF16 ulps of the larger
-    assert bool((diff <= ulp2).all()), f"max diff {diff.max().item()}"
-    assert (diff == 0).float().mean().item() > 0.95, (diff == 0).float().mean().item()
-
-
-@pytest.mark.parametrize("scale_format", FORMATS)
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", ((1, 1), (3, 100), (64, 1000), (257, 12288)))
-def test_swiglu_quant_bit_exact(shape, dtype, scale_format):
-    from jetrl_trainer.kernels import swiglu_quant_fp8
-
-    g = torch.Generator(device="cuda").manual_seed(shape[0])
-    gate = (torch.randn(shape, device="cuda", generator=g) * 4).to(dtype)
-    up = torch.randn(shape, device="cuda", generator=g).to(dtype)
-    if shape[1] >= 4:
-        gate[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])
-    h, q, s = swiglu_quant_fp8(gate, up, scale_format=scale_format)
-    rh = swiglu_reference(gate, up)
-    rq, rs = quantize_fp8_groups(rh, 128, scale_format=scale_format)
-    assert_bits_equal(h, rh, "h")
-    assert_bits_equal(s, rs, "scale")
-    assert_bits_equal(q, rq, "q")
-
-
-@pytest.mark.parametrize("shape", ((1, 128), (257, 1000), (4096, 4096)))
-def test_rmsnorm_backward_matches_fp64_autograd(shape):
-    from jetrl_trainer.kernels import rmsnorm_backward
-
-    g = torch.Generator(device="cuda").manual_seed(shape[0])
-    x = torch.randn(shape, device="cuda", generator=g).to(torch.bfloat16)
-    w = (1 + 0.1 * torch.randn(shape[1], device="cuda", generator=g)).to(torch.bfloat16)
-    dy = torch.randn(shape, device="cuda", generator=g).to(torch.bfloat16)
-    dx, dw = rmsnorm_backward(x, w, dy, 1e-6)
-    assert dx.dtype == x.dtype and dw.dtype == w.dtype and dx.shape == x.shape and dw.shape == w.shape
-    x64, w64 = x.double().requires_grad_(), w.double().requires_grad_()
-    rmsnorm_reference(x64, w64, 1e-6).backward(dy.double())
-    for got, want in ((dx, x64.grad), (dw, w64.grad)):
-        rel = relative_error(got, want)
-        assert rel < 5e-3, rel  # BF16 output rounding; the math is FP32
-
-
-def test_swiglu_matches_qwen3_mlp_activation():
-    """The reference *is* the transformers computation: act_fn(gate) * up."""
-    from transformers import Qwen3Config
-    from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP
-
-    from jetrl_trainer.kernels import swiglu_quant_fp8
-
-    mlp = Qwen3MLP(Qwen3Config(hidden_size=256, intermediate_size=768)).to("cuda", torch.bfloat16)
-    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
-    with torch.no_grad():
-        gate, up = mlp.gate_proj(x), mlp.up_proj(x)
-        h, _, _ = swiglu_quant_fp8(gate, up)
-        assert_bits_equal(h, mlp.act_fn(gate) * up, "h")
-
-
-def test_custom_ops_pass_opcheck():
-    """Schema, fake (meta) implementations and dispatcher registration of every custom op."""
-    from jetrl_trainer.kernels import act_quant_fp8  # noqa: F401  (registers the ops)
-    from jetrl_trainer.kernels.settings import QuantKernelSettings
-
-    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
-    q, s = quantize_fp8_groups(x)
-    wq, ws = quantize_fp8_blocks(x)
-    launch = QuantKernelSettings()
-    act, requant = (list(launch.act), list(launch.act_transposed)), (launch.requant_block_k, launch.requant_warps)
-    weight, transpose = launch.weight_warps, list(launch.transpose)
-    cases = [
-        (torch.ops.jetrl.act_quant_fp8.default, (x, 128, "fp32", *act)),
-        (torch.ops.jetrl.act_quant_fp8.default, (x.t(), 128, "fp32", *act)),  # the transposed launch
-        (torch.ops.jetrl.weight_quant_fp8.default, (x, 128, "ue8m0", weight)),
-        (torch.ops.jetrl.requant_transpose_fp8.default, (q, s, 128, "fp32", *requant)),
-        (torch.ops.jetrl.transpose_fp8_blocks.default, (wq, ws, transpose)),
-        (torch.ops.jetrl.weight_quant_fp8_into.default,
-         (x, torch.empty_like(wq), torch.empty_like(ws), 128, "fp32", weight)),
-        (torch.ops.jetrl.transpose_fp8_blocks_into.default,
-         (wq, ws, torch.empty_like(wq.t()), torch.empty_like(ws.t()), transpose)),
-        (torch.ops.jetrl.rmsnorm_quant_fp8.default, (x, torch.ones_like(x[0]), 1e-6, "fp32", True)),
-        (torch.ops.jetrl.rmsnorm_quant_fp8.default, (x, torch.ones_like(x[0]), 1e-6, "fp32", False)),  # y only
-        (torch.ops.jetrl.swiglu_quant_fp8.default, (x, x, "fp32")),
-    ]
-    for op, args in cases:
-        # (opcheck's test_schema compares outputs with arithmetic that has no FP8 kernels)
-        torch.library.opcheck(op, args, test_utils=("test_faketensor",))
-
-
-def test_kernels_compile_fullgraph():
-    """The custom ops trace under torch.compile with no graph break and give the same bits."""
-    from jetrl_trainer.kernels import act_quant_fp8, requant_transpose_fp8
-
-    def step(x):
-        q, s = act_quant_fp8(x)
-        return requant_transpose_fp8(q, s)
-
-    x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
-    compiled = torch.compile(step, fullgraph=True)
-    for got, want in zip(compiled(x), step(x)):
-        assert_bits_equal(got, want, "compiled")
-
-
+@pytest.mark.gpu
+@TRITON
 def test_bad_input_is_value_error():
     from jetrl_trainer.kernels import act_quant_fp8, requant_transpose_fp8
 
@@ -327,52 +208,143 @@ def test_bad_input_is_value_error():
         requant_transpose_fp8(q, s[:, :1])
 
 
-def _split_sums_reference(parts, bias, dtype):
-    """The decode GEMM's split-K reduction: splits added in order (+ bias) in FP32, rounded once."""
-    acc = parts[0].clone()
-    for part in parts[1:]:
-        acc += part
-    if bias is not None:
-        acc += bias.float()
-    return acc.to(dtype)
+# -- on CPU --------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("scale_format", FORMATS)
-@pytest.mark.parametrize("delta_kind", ["tensor", "one_split", "three_splits", "three_splits_bias"])
-@pytest.mark.parametrize("shape", ((1, 128), (3, 100), (64, 4096), (17, 5120)))
-def test_add_rmsnorm_quant_is_the_add_then_the_norm_bit_for_bit(shape, delta_kind, scale_format):
-    from jetrl_trainer.kernels import add_rmsnorm_quant_fp8, rmsnorm_quant_fp8
+def test_out_layout_error_names_what_cannot_take_a_quantized_pair():
+    # The one check behind weight_quant_fp8 / transpose_fp8_blocks(out=): the kernel refuses with it, and
+    # the dispatcher uses it to fall back to fresh tensors (a moved or re-shaped weight).
+    from jetrl_trainer.kernels.triton_quant import out_layout_error
+
+    w = torch.randn(256, 384)
+    q, s = quantize_fp8_blocks(w)
+    shapes = ((256, 384), (2, 3))
+    assert out_layout_error((q, s), w, shapes) is None
+    assert "contiguous torch.float32 (2, 3)" in out_layout_error((q, s[:, :2]), w, shapes)
+    assert "not contiguous" in out_layout_error((q.t(), s.t()), w, ((384, 256), (3, 2)))
+    assert "torch.float8_e4m3fn" in out_layout_error((q.float(), s), w, shapes)
+    assert "1 tensors, not 2" in out_layout_error((q,), w, shapes)
+
+
+def test_quant_kernel_settings_refuse_what_triton_cannot_launch():
+    from jetrl_trainer.kernels.settings import QuantKernelSettings
+
+    assert QuantKernelSettings(act=(8, 4, 4), requant_block_k=64) != QuantKernelSettings()
+    with pytest.raises(ValueError, match="act must be a tuple of three positive ints"):
+        QuantKernelSettings(act=(16, 2))
+    with pytest.raises(ValueError, match="transpose must be powers of two"):
+        QuantKernelSettings(transpose=(64, 200, 8))
+    with pytest.raises(ValueError, match="requant_warps must be a positive int"):
+        QuantKernelSettings(requant_warps=0)
+
+
+# -- in Triton's interpreter on CPU tensors (TRITON_INTERPRET=1 pytest -m interpreter) -----------------------
+
+
+def _act_launch(settings=None) -> tuple[list[int], list[int]]:
+    """The act-quant custom op's launch arguments for ``settings`` (the default ``QuantKernelSettings()``)."""
+    from jetrl_trainer.kernels.settings import QuantKernelSettings
+
+    settings = settings if settings is not None else QuantKernelSettings()
+    return list(settings.act), list(settings.act_transposed)
+
+
+def _quant_kernels(x, settings):
+    """The quant kernels' host launch code (the custom ops' implementations) on ``x``, launched with
+    ``settings``: act quant of ``x`` and of ``x.t()``, requant-transpose, block transpose. (Not the
+    weight quant: Triton 3.6's interpreter fails on its scalar scale's ``&``.)"""
+    from jetrl_trainer.kernels import triton_quant as kernels
+
+    q, s = kernels._act_quant_op._init_fn(x, 128, "fp32", *_act_launch(settings))
+    transposed = kernels._act_quant_op._init_fn(x.t(), 128, "fp32", *_act_launch(settings))
+    requant = kernels._requant_transpose_op._init_fn(q, s, 128, "fp32", settings.requant_block_k,
+                                                     settings.requant_warps)  # fmt: skip
+    blocks = kernels._transpose_blocks_op._init_fn(*quantize_fp8_blocks(x), list(settings.transpose))
+    return [t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+            for pair in ((q, s), transposed, requant, blocks) for t in pair]  # fmt: skip
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("shape", [(36, 200), (33, 130), (4, 96)])
+def test_quant_kernel_settings_change_no_bit(shape):
+    """Other tiles and warps (a ``QuantKernelSettings`` that a tuning sweep builds) give the default
+    launch's bits in every quant kernel, on ragged shapes."""
+    from jetrl_trainer.kernels.settings import QuantKernelSettings
+
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(shape[0])) * 5
+    tuned = QuantKernelSettings(act=(8, 4, 4), act_transposed=(32, 2, 4), weight_warps=8, requant_block_k=64,
+                                requant_warps=8, transpose=(32, 256, 4))  # fmt: skip
+    default = _quant_kernels(x, QuantKernelSettings())
+    for got, want in zip(_quant_kernels(x, tuned), default, strict=True):
+        assert got.shape == want.shape and torch.equal(got, want)
+    assert default[0].any() and default[4].any() and default[6].any()  # not an all-zero agreement
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("shape", [(300, 200), (256, 128), (4, 96), (132, 260)])
+def test_requant_transpose_packed_words_give_the_byte_paths_bits(shape):
+    """M % 4 == 0 packs four tokens per 32-bit word through the transpose; other M move bytes. The same
+    tokens with an all-zero one appended (M + 1: the byte path; a zero raises no amax) give the same
+    bytes and scales, on ragged token and feature counts."""
+    from jetrl_trainer.kernels import triton_quant
 
     m, k = shape
-    g = torch.Generator(device="cuda").manual_seed(k + len(delta_kind))
-    r = (torch.randn(shape, device="cuda", generator=g) * 3).bfloat16()
-    w = (1 + 0.1 * torch.randn(k, device="cuda", generator=g)).bfloat16()
-    bias = None
-    if delta_kind == "tensor":
-        delta = torch.randn(shape, device="cuda", generator=g).bfloat16()
-        added = r + delta
-    else:
-        parts = torch.randn((1 if delta_kind == "one_split" else 3, m, k), device="cuda", generator=g)
-        bias = torch.randn(k, device="cuda", generator=g).bfloat16() if delta_kind.endswith("bias") else None
-        delta = parts
-        added = r + _split_sums_reference(parts, bias, r.dtype)
-    h, y, q, s = add_rmsnorm_quant_fp8(r, delta, w, 1e-6, bias=bias, scale_format=scale_format)
-    ry, rq, rs = rmsnorm_quant_fp8(added, w, 1e-6, scale_format=scale_format)
-    assert_bits_equal(h, added, "h")
-    assert_bits_equal(y, ry, "y")
-    assert_bits_equal(y, rmsnorm_reference(added, w, 1e-6), "y against the reference")
-    assert_bits_equal(q, rq, "q")
-    assert_bits_equal(s, rs, "scale")
+    q, s = quantize_fp8_groups(torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 5, 128)
+    q_odd, s_odd = torch.cat([q, torch.zeros(1, k, dtype=q.dtype)]), torch.cat([s, torch.ones(1, s.shape[1])])
+    qt_words, st_words = triton_quant._requant_transpose_op._init_fn(q, s, 128, "fp32", 32, 4)
+    qt_bytes, st_bytes = triton_quant._requant_transpose_op._init_fn(q_odd, s_odd, 128, "fp32", 32, 4)
+    assert qt_words.shape == (k, m) and qt_bytes.shape == (k, m + 1)
+    assert torch.equal(qt_words.view(torch.uint8), qt_bytes[:, :m].view(torch.uint8))
+    assert torch.equal(st_words, st_bytes[:, : st_words.shape[1]])
+    assert qt_words.view(torch.uint8).any() and not qt_bytes[:, m].view(torch.uint8).any()
 
 
-def test_add_rmsnorm_quant_refuses_mismatched_deltas():
-    from jetrl_trainer.kernels import add_rmsnorm_quant_fp8
+# -- compiled for sm_90 without a GPU (JETRL_COMPILE_SM90=1 pytest -m sm90) ----------------------------------
 
-    r = torch.randn(4, 256, device="cuda").bfloat16()
-    w = torch.ones(256, device="cuda", dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="delta must match residual"):
-        add_rmsnorm_quant_fp8(r, r.float(), w, 1e-6)
-    with pytest.raises(ValueError, match="split-K partial sums must be contiguous float32"):
-        add_rmsnorm_quant_fp8(r, torch.zeros(2, 4, 128, device="cuda"), w, 1e-6)
-    with pytest.raises(ValueError, match="bias goes with split-K partial sums only"):
-        add_rmsnorm_quant_fp8(r, r, w, 1e-6, bias=w)
+
+def _fp8_cast_and_division(ptx: str) -> bool:
+    """The numerics contract's two assumptions about a quant kernel's PTX (docs/numerics.md): the FP32 ->
+    E4M3 cast is the saturating round-to-nearest-even instruction (so no explicit clamp), and the
+    division by the scale is IEEE (a reciprocal multiply differs in the last bit)."""
+    return "cvt.rn.satfinite.e4m3x2.f32" in ptx and "div.rn.f32" in ptx
+
+
+QUANT_KERNELS = {  # kernel: (pointer types, constexprs, launch, FP32 scalars); QuantKernelSettings()'s launches
+    "act_quant_kernel": (dict(x_ptr="*bf16", q_ptr="*u8", s_ptr="*fp32"),
+                         dict(GROUP=128, BLOCK_M=16, GROUPS_PER_PROG=2, UE8M0=False, stride_xk=1), dict(num_warps=4),
+                         ()),
+    "act_quant_kernel[transposed]": (dict(x_ptr="*bf16", q_ptr="*u8", s_ptr="*fp32"),
+                                     dict(GROUP=128, BLOCK_M=64, GROUPS_PER_PROG=1, UE8M0=False, stride_xm=1),
+                                     dict(num_warps=4), ()),
+    "weight_quant_kernel": (dict(w_ptr="*bf16", q_ptr="*u8", s_ptr="*fp32"), dict(BLOCK=128, UE8M0=True),
+                            dict(num_warps=16), ()),
+    "requant_transpose_kernel": (dict(q_ptr="*u8", s_ptr="*fp32", qt_ptr="*u8", st_ptr="*fp32"),
+                                 dict(GROUP=128, BLOCK_K=32, UE8M0=False, PACK4=False), dict(num_warps=4), ()),
+    "requant_transpose_kernel[PACK4]": (dict(q_ptr="*u8", s_ptr="*fp32", qt_ptr="*i32", st_ptr="*fp32"),
+                                        dict(GROUP=128, BLOCK_K=32, UE8M0=False, PACK4=True), dict(num_warps=4), ()),
+}  # fmt: skip
+
+
+FUSED_KERNELS = {  # the RMSNorm and SwiGLU kernels that quantize their output (triton_norm.py, triton_swiglu.py)
+    "rmsnorm_quant_kernel": (dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", q_ptr="*u8", s_ptr="*fp32"),
+                             dict(BLOCK_K=4096, ROWS=1, LEVELS=11, GROUP=128, UE8M0=False, QUANT=True),
+                             dict(num_warps=8),
+                             ("k_float", "eps")),
+    "add_rmsnorm_quant_kernel": (dict(r_ptr="*bf16", d_ptr="*fp32", bias_ptr="*bf16", w_ptr="*bf16", h_ptr="*bf16",
+                                      y_ptr="*bf16", q_ptr="*u8", s_ptr="*fp32"),
+                                 dict(PARTS=5, HAS_BIAS=False, BLOCK_K=4096, LEVELS=11, GROUP=128, UE8M0=False),
+                                 dict(num_warps=32), ("k_float", "eps")),
+    "swiglu_quant_kernel": (dict(g_ptr="*bf16", u_ptr="*bf16", h_ptr="*bf16", q_ptr="*u8", s_ptr="*fp32"),
+                            dict(GROUP=128, BLOCK_M=16, GROUPS_PER_PROG=2, UE8M0=False), dict(num_warps=4),
+                            ()),
+}  # fmt: skip
+
+
+@pytest.mark.sm90
+@pytest.mark.parametrize("name", list(QUANT_KERNELS) + list(FUSED_KERNELS))
+def test_quant_kernels_compile_to_the_saturating_cast_and_ieee_division(name):
+    module = "_triton_quant_jit" if name in QUANT_KERNELS else "_triton_fused_jit"
+    jit = importlib.import_module(f"jetrl_trainer.kernels.{module}")
+    pointers, constexprs, launch, floats = {**QUANT_KERNELS, **FUSED_KERNELS}[name]
+    ptx = compile_sm90(getattr(jit, name.split("[")[0]), pointers, constexprs, floats=floats, launch=launch)
+    assert _fp8_cast_and_division(ptx)

@@ -1,4 +1,4 @@
-"""A real pretrained model on CPU: SmolLM2-135M-Instruct (Llama architecture, tests/_smollm2.py).
+"""A real pretrained model on CPU: SmolLM2-135M-Instruct (Llama architecture, tests/models/_smollm2.py).
 
 * It loads offline from the cached BF16 checkpoint, is a Llama the decode engine supports, and
   greedy `generate` answers a chat prompt sensibly and deterministically.

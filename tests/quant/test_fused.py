@@ -1,4 +1,5 @@
-"""quant/fused.py: the swap (Qwen3, Llama, LLaDA), numerics on CPU and GPU (the hand-off: tests/test_handoff.py)."""
+"""quant/fused.py: the swap (Qwen3, Llama, LLaDA), numerics on CPU and GPU (the hand-off:
+tests/quant/test_handoff.py)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 When a backend cannot record what its sampler drew from (beam search, greedy decoding, a stub or
 wrapper of ``generate`` that drops our recorder), the trainer scores the completions with a
 rollout-phase forward under the same warpers. That must mean the same as a recorded log-prob: on a
-batch where both exist they agree to the tolerance of tests/test_rollout.py.
+batch where both exist they agree to the tolerance of tests/rollout/test_rollout.py.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def test_config_field_validates_once(tmp_path):
     assert make_args(tmp_path, rollout_backend="continuous").use_transformers_continuous_batching
     with pytest.raises(ValueError, match="rollout_backend must be one of"):
         make_args(tmp_path, rollout_backend="sglang")
-    assert make_args(tmp_path, rollout_backend="vllm", rollout_precision="bf16").use_vllm  # tests/test_vllm*.py
+    assert make_args(tmp_path, rollout_backend="vllm", rollout_precision="bf16").use_vllm  # tests/rollout/test_vllm*.py
     assert make_args(tmp_path, rollout_backend="engine", rollout_kv_cache_tokens=64).rollout_kv_cache_tokens == 64
     for bad in (0, -3, 2.5, True):
         with pytest.raises(ValueError, match="rollout_kv_cache_tokens must be a positive integer"):

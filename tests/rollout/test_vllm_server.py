@@ -106,7 +106,7 @@ def test_server_logprobs_are_processed_after_temperature_and_top_k(server):
         gaps.append((got - want).abs())
         untempered.append((got - processed_logprobs(logits, torch.tensor([tokens]), top_k=top_k)[0]).abs())
         assert ((got - raw).abs() > 0.5).all(), (got, raw)
-    gaps = torch.cat(gaps)  # BF16 server copy of an FP32 model: see tests/test_vllm.py
+    gaps = torch.cat(gaps)  # BF16 server copy of an FP32 model: see tests/rollout/test_vllm.py
     print(f"server: |vLLM - processed| median {gaps.median():.2e}; untempered {torch.cat(untempered).median():.2e}")
     assert gaps.median() < 0.01 and (gaps < 0.05).float().mean() >= 0.75, gaps
     assert torch.cat(untempered).median() > 2 * gaps.median()

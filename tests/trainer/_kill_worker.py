@@ -1,4 +1,4 @@
-"""A trainer process for the kill-and-resume test (tests/test_checkpoint.py); not a test module.
+"""A trainer process for the kill-and-resume test (tests/trainer/test_checkpoint.py); not a test module.
 
 `run` resumes a tiny training run from ``out_dir`` (``resume_from_checkpoint=True``), writes the step
 it started from to ``report``, and trains on, saving a checkpoint every step. With ``point`` set it

@@ -1,4 +1,4 @@
-"""Worker for tests/test_distributed.py: a few JetGRPOTrainer steps under ``accelerate launch``.
+"""Worker for tests/trainer/test_distributed.py: a few JetGRPOTrainer steps under ``accelerate launch``.
 
 Not a test module (pytest collects ``test_*.py`` only). Each process trains the tiny model saved by
 the test, for every ``--strategy`` in turn, and writes ``<out>/<strategy>/rank<r>.json`` with, per
@@ -19,7 +19,7 @@ still alive then, which the test requires to be none.
 
 Usage (what the test runs; 2 processes over gloo on a CPU-only machine)::
 
-    accelerate launch --config_file examples/configs/accelerate_cpu_2proc.yaml tests/dist_worker.py \\
+    accelerate launch --config_file examples/configs/accelerate_cpu_2proc.yaml tests/trainer/dist_worker.py \\
         --model DIR --out DIR --steps 2 --strategy fp8:fp8:ais --strategy bf16:fp8:tis
 """
 

@@ -1,6 +1,6 @@
 """JetGRPOTrainer on two processes (issue 7, CPU part), and the FP8 weight cache under ZeRO-3.
 
-The launched tests run ``accelerate launch`` with 2 processes over gloo on the CPU (tests/dist_worker.py
+The launched tests run ``accelerate launch`` with 2 processes over gloo on the CPU (tests/trainer/dist_worker.py
 records what each rank saw) for DDP and, when DeepSpeed is importable, ZeRO-2 and ZeRO-3. They check:
 
 * parameters are bit-identical on both ranks after every step, although the ranks train on different

@@ -3,7 +3,8 @@
 CPU: the buckets, and `DecodeGraphs`' own logic (a bucket captured once and replayed, rows padded
 onto the scratch slot, the cache's lengths restored after a capture) with CUDA's graph and stream
 calls replaced by stand-ins whose replay reruns the captured step, over the emulated kernels of
-``_emulated_kernels.py``. GPU: real captures, replayed with the bits of the same launches made eagerly.
+``_emulated_kernels.py``. GPU: real captures, replayed with the bits of the same launches made eagerly,
+and the graphed engine against ``generate`` and the eager engine (look-ahead, sampling, kept graphs).
 """
 
 from __future__ import annotations
@@ -12,12 +13,14 @@ import contextlib
 
 import pytest
 import torch
+from _cuda_engine import CUDA_PROMPTS, cuda_model, graphs_or_skip
 from _emulated_kernels import emulate_kernels
 from _trainer_utils import tokenizer
 from transformers import GenerationConfig
 
-from jetrl_trainer.quant import PrecisionPhases, quantize_model
+from jetrl_trainer.quant import PrecisionPhases, WeightCacheRefresh, quantize_model
 from jetrl_trainer.quant.fused import fuse_norm_and_swiglu
+from jetrl_trainer.rollout import left_pad, processed_logprobs, truncate_after_eos
 from jetrl_trainer.rollout.engine import DecodeEngine, EngineSettings
 from jetrl_trainer.rollout.engine import engine as engine_module
 from jetrl_trainer.rollout.engine import graphs
@@ -162,3 +165,96 @@ def test_the_fp8_plan_on_cuda_runs_every_fusion():
     plan = DecodeEngine(_fp8_model("cuda")).plan
     assert {p.attention for p in plan.layers} == {"kernel+fp8"} and all(p.qkv_sums_to_rope for p in plan.layers)
     assert [p.down_sums_to_norm for p in plan.layers] == [True, False] and plan.layers[1].input_norm == "kernel+add"
+
+
+# -- on CUDA, through the engine -----------------------------------------------------------------------------
+
+
+GRAPHS, TORCH = EngineSettings(decode_path="graphs"), EngineSettings(decode_path="torch")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_graphed_decode_matches_generate_and_the_eager_engine(precision):
+    graphs_or_skip()
+    model, tok = cuda_model(precision), tokenizer()
+    config = GenerationConfig(max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=[-1])
+    ids, mask = left_pad(CUDA_PROMPTS, tok.pad_token_id)
+    with PrecisionPhases(model).rollout():
+        out = model.generate(input_ids=ids.cuda(), attention_mask=mask.cuda(), generation_config=config)
+        expected, _ = truncate_after_eos(out[:, ids.shape[1] :].cpu(), torch.zeros(out.shape), [-1])
+        engine = DecodeEngine(model)
+        graphed, graphed_lp = engine.generate(CUDA_PROMPTS, config, eos_token_ids=[-1], seed=0, pad_token_id=0)
+        refilled, _ = DecodeEngine(model, settings=GRAPHS).generate(CUDA_PROMPTS, config, eos_token_ids=[-1], seed=0,
+                                                                    pad_token_id=0, max_batch_size=3)  # fmt: skip
+        eager, eager_lp = DecodeEngine(model, settings=TORCH).generate(CUDA_PROMPTS, config, eos_token_ids=[-1], seed=0,
+                                                                       pad_token_id=0)  # fmt: skip
+    assert engine.settings.decode_path == "graphs" and graphed == expected == refilled == eager
+    for a, b in zip(graphed_lp, eager_lp):
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-3, rtol=0)
+
+
+@pytest.mark.gpu
+def test_graphed_look_ahead_changes_no_token():
+    """On CUDA step t + 1 really runs while the host reads step t (pinned copies, events)."""
+    graphs_or_skip()
+    model, tok = cuda_model("fp8"), tokenizer()
+    config = GenerationConfig(max_new_tokens=12, do_sample=True, temperature=1.0, pad_token_id=tok.pad_token_id)
+    budgets = [12, 3, 7, 1, 12, 5, 2, 9]
+    runs = []
+    with PrecisionPhases(model).rollout():
+        for look_ahead in (True, False):
+            engine = DecodeEngine(model, settings=EngineSettings(decode_path="graphs", look_ahead=look_ahead))
+            runs.append(engine.generate(CUDA_PROMPTS * 2, config, eos_token_ids=[tok.eos_token_id], seed=4, pad_token_id=0,
+                                        max_batch_size=3, row_budgets=budgets))  # fmt: skip
+    assert runs[0][0] == runs[1][0]
+    for a, b in zip(runs[0][1], runs[1][1]):
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-3, rtol=0)
+
+
+@pytest.mark.gpu
+def test_graphed_sampling_records_the_warped_logprobs():
+    graphs_or_skip()
+    model, tok = cuda_model("fp8"), tokenizer()
+    warp = dict(temperature=0.7, top_k=12, top_p=0.9)
+    config = GenerationConfig(max_new_tokens=8, do_sample=True, pad_token_id=tok.pad_token_id, **warp)
+    budgets = [8, 3, 5, 1]  # rows leave their slots at different steps
+    with PrecisionPhases(model).rollout():
+        tokens, logprobs = DecodeEngine(model, settings=GRAPHS).generate(
+            CUDA_PROMPTS, config, eos_token_ids=[-1], seed=5, pad_token_id=0, row_budgets=budgets
+        )
+        assert [len(t) for t in tokens] == budgets
+        for r, (t, lps) in enumerate(zip(tokens, logprobs)):
+            ids = torch.tensor([CUDA_PROMPTS[r] + t], device="cuda")
+            logits = model(input_ids=ids).logits[:, len(CUDA_PROMPTS[r]) - 1 : -1]
+            expected = processed_logprobs(logits.float(), torch.tensor([t], device="cuda"), **warp)[0].cpu()
+            assert torch.allclose(torch.tensor(lps), expected, atol=1e-2, rtol=0), r  # see above
+
+
+@pytest.mark.gpu
+def test_kept_graphs_replay_the_weights_of_each_step():
+    """keep_state on CUDA: the second rollout, after an optimizer step, replays the first one's
+    graphs (no capture) and generates exactly what a fresh engine generates with the new weights."""
+    graphs_or_skip()
+    tok = tokenizer()
+    model = quantize_model(build_tiny_qwen3(tok).cuda().eval(), train="fp8", rollout="fp8")
+    config = GenerationConfig(max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=[-1])
+    kept = DecodeEngine(model, settings=GRAPHS, keep_state=True)
+
+    def run(engine):
+        with PrecisionPhases(model).rollout():
+            return engine.generate(CUDA_PROMPTS, config, eos_token_ids=[-1], seed=0, pad_token_id=0)
+
+    first = run(kept)
+    assert kept.last_stats["graphs_captured"] >= 1 and kept.last_stats["capture_seconds"] > 0
+    opt = torch.optim.AdamW(model.parameters(), lr=5e-2, fused=True)
+    WeightCacheRefresh(model, opt)  # fused AdamW bumps no _version: the refresh marks the weights stale
+    with PrecisionPhases(model).train():
+        model(input_ids=torch.tensor([CUDA_PROMPTS[0]], device="cuda")).logits.float().pow(2).mean().backward()
+    opt.step()
+    after = run(kept)
+    assert kept.last_stats["reused_state"] and kept.last_stats["capture_seconds"] == 0.0
+    fresh = run(DecodeEngine(model, settings=GRAPHS))
+    assert after[0] == fresh[0] and after[0] != first[0]
+    for a, b in zip(after[1], fresh[1]):
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-3, rtol=0)

@@ -1,4 +1,4 @@
-"""The decode step's layer path (layers.py, residual.py, projections.py), on CPU.
+"""The decode step's layer path (layers.py, residual.py, projections.py), on CPU and on CUDA.
 
 The kernel path runs here with its GPU kernels emulated (``_emulated_kernels.py``: each launch logs
 itself and computes its reference with the CPU path's arithmetic), so that:
@@ -8,6 +8,9 @@ itself and computes its reference with the CPU path's arithmetic), so that:
 * the launches are the ones each layer's plan names, in order, and every FP8 input a launch wrote
   reaches its projection as an argument: no act-quant launch where a pair was handed over, and none
   of it through the hand-off table of ``quant/_handoff.py``.
+
+On CUDA, each of the kernel path's settings against the launches it replaces: the same tokens, and
+the same bits where the fused launch reproduces the separate ones; and the fused launches really ran.
 """
 
 from __future__ import annotations
@@ -16,9 +19,11 @@ import itertools
 
 import pytest
 import torch
+from _cuda_engine import CUDA_PROMPTS, graphs_or_skip
 from _emulated_kernels import emulate_kernels
 from _trainer_utils import tokenizer
 from torch import nn
+from transformers import GenerationConfig
 
 from jetrl_trainer.quant import PrecisionPhases, quantize_model
 from jetrl_trainer.quant.fused import fuse_norm_and_swiglu
@@ -354,3 +359,176 @@ def test_residual_stream_takes_each_pending_add_into_the_norm_launch_its_mode_na
     first = ResidualStream(h0.clone())
     log.clear()
     assert torch.equal(first.norm(norm, "kernel+add", "fp32").x, norm(h0)) and log.names()[0] == "rmsnorm_quant_fp8"
+
+
+# -- on CUDA -------------------------------------------------------------------------------------------------
+
+
+def _grouped_then_ungrouped(model, prompts, config, calls: list):
+    """Greedy runs with and without grouped projections; the grouped run's logged launches are
+    moved out of ``calls`` so that the ungrouped run's (none expected) stay in it."""
+    runs = []
+    with PrecisionPhases(model).rollout():
+        for grouped in (True, False):
+            engine = DecodeEngine(model, settings=EngineSettings(decode_path="graphs", grouped_projections=grouped))
+            runs.append(engine.generate(prompts, config, eos_token_ids=[-1], seed=0, pad_token_id=0))
+            if grouped:
+                grouped_calls = list(calls)
+                calls.clear()
+    return runs[0], grouped_calls, runs[1]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_grouped_projections_change_no_token(arch, monkeypatch):
+    """q/k/v and gate/up in one FP8 decode launch each (Qwen2: with biases): the same greedy tokens
+    as the modules one by one, and the grouped launch really ran (two per layer and step)."""
+    graphs_or_skip()
+    from jetrl_trainer.kernels import triton_decode_gemm as dg
+    from jetrl_trainer.tiny import build_tiny_qwen2
+
+    build = build_tiny_qwen2 if arch == "qwen2" else build_tiny_qwen3
+    model, tok = build(tokenizer()).cuda().eval(), tokenizer()
+    quantize_model(model, train="fp8", rollout="fp8")
+    calls = []
+    real = dg.fp8_decode_gemm_grouped
+    monkeypatch.setattr(dg, "fp8_decode_gemm_grouped", lambda *a, **kw: calls.append(len(a[2])) or real(*a, **kw))
+    config = GenerationConfig(max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=[-1])
+    grouped, calls_grouped, ungrouped = _grouped_then_ungrouped(model, CUDA_PROMPTS, config, calls)
+    assert sorted(set(calls_grouped)) == [2, 3] and len(calls_grouped) >= 2 * len(model.model.layers)
+    assert grouped[0] == ungrouped[0] and not calls
+    for a, b in zip(grouped[1], ungrouped[1]):
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-3, rtol=0)
+
+
+@pytest.mark.gpu
+def test_qkv_group_takes_the_decode_kernel_up_to_its_row_limit(monkeypatch):
+    """Above the recipe's decode_gemm.max_m rows only the q/k/v group keeps the grouped launch (up to QKV_MAX_ROWS):
+    a 130-row batch (its graph bucket: 130 rows) runs it at 130 rows, gate/up never above 64 rows, and the greedy
+    tokens are those of the modules one by one."""
+    graphs_or_skip()
+    from jetrl_trainer.kernels import triton_decode_gemm as dg
+    from jetrl_trainer.kernels.settings import DecodeGemmSettings
+    from jetrl_trainer.rollout.engine.projections import QKV_MAX_ROWS
+
+    model, tok = build_tiny_qwen3(tokenizer()).cuda().eval(), tokenizer()
+    quantize_model(model, train="fp8", rollout="fp8")
+    calls = []
+    real = dg.fp8_decode_gemm_grouped
+    monkeypatch.setattr(dg, "fp8_decode_gemm_grouped",
+                        lambda *a, **kw: calls.append((len(a[2]), a[0].shape[0])) or real(*a, **kw))  # fmt: skip
+    prompts = [CUDA_PROMPTS[i % len(CUDA_PROMPTS)] + [20 + i % 50] for i in range(130)]
+    config = GenerationConfig(max_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=[-1])
+    grouped, calls, ungrouped = _grouped_then_ungrouped(model, prompts, config, calls)
+    qkv_rows = {rows for n, rows in calls if n == 3}
+    mlp_rows = {rows for n, rows in calls if n == 2}
+    decode_max_m = DecodeGemmSettings().max_m
+    assert 130 in qkv_rows and max(qkv_rows) <= QKV_MAX_ROWS and max(mlp_rows, default=0) <= decode_max_m, (qkv_rows, mlp_rows)
+    assert grouped[0] == ungrouped[0]
+
+
+def _fp8_head128_model(arch: str, tok, **overrides):
+    """A tiny unified-FP8 model with heads of 128 (one 1x128 group per head): Qwen3, or Llama with
+    biases on q/k/v/o; ``overrides``: more config fields."""
+    from jetrl_trainer.tiny import build_tiny_llama
+
+    if arch == "qwen3":
+        model = build_tiny_qwen3(tok, head_dim=128, **overrides)
+    else:
+        model = build_tiny_llama(tok, head_dim=128, attention_bias=True, **overrides)
+    model = model.cuda().eval()
+    quantize_model(model, train="fp8", rollout="fp8")
+    return model
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["qwen3", "llama_bias"])
+def test_fused_epilogues_change_no_bit(arch, monkeypatch):
+    """Residual adds with the o / down split-K reductions inside the next fused RMSNorm, and the o
+    projection's activation quant inside the attention kernel: the same tokens and the same
+    log-probs, bit for bit, as the separate launches; and the fused kernels really ran. Heads of
+    128 (the attention kernel's quant needs one 1x128 group per head); Llama with biases on q/k/v/o."""
+    graphs_or_skip()
+    from jetrl_trainer.kernels import triton_decode_attention as attention
+    from jetrl_trainer.kernels import triton_decode_gemm as dg
+    from jetrl_trainer.kernels import triton_norm
+
+    tok = tokenizer()
+    model = _fp8_head128_model(arch, tok)
+    calls = {"partials": 0, "add_norm": 0, "attention_quant": 0}
+
+    def counting(name, real, check=lambda *a, **kw: True):
+        def wrapped(*args, **kwargs):
+            calls[name] += bool(check(*args, **kwargs))
+            return real(*args, **kwargs)
+
+        return wrapped
+
+    monkeypatch.setattr(dg, "fp8_decode_gemm_partials", counting("partials", dg.fp8_decode_gemm_partials))
+    monkeypatch.setattr(triton_norm, "add_rmsnorm_quant_fp8", counting("add_norm", triton_norm.add_rmsnorm_quant_fp8))
+    monkeypatch.setattr(attention, "decode_attention", counting(
+        "attention_quant", attention.decode_attention, lambda *a, **kw: kw.get("quantize_output") is not None))
+    def fused_kernels_ran():
+        layers = len(model.model.layers)
+        assert calls["partials"] >= 2 * layers - 1 and calls["add_norm"] >= 2 * layers - 1, calls
+        assert calls["attention_quant"] >= layers, calls
+        calls.update(partials=0, add_norm=0, attention_quant=0)
+
+    _same_bits_with_and_without(model, tok, "fused_epilogues", fused_kernels_ran)
+    assert calls == {"partials": 0, "add_norm": 0, "attention_quant": 0}
+
+
+def _same_bits_with_and_without(model, tok, setting: str, check_on) -> None:
+    """Sampled rollouts with the engine's ``setting`` on (then ``check_on()``) and off: the same tokens
+    and log-probs, bit for bit."""
+    config = GenerationConfig(max_new_tokens=10, do_sample=True, temperature=1.0, pad_token_id=tok.pad_token_id)
+    runs = []
+    with PrecisionPhases(model).rollout():
+        for on in (True, False):
+            engine = DecodeEngine(model, settings=EngineSettings(decode_path="graphs", **{setting: on}))
+            runs.append(engine.generate(CUDA_PROMPTS * 2, config, eos_token_ids=[-1], seed=3, pad_token_id=0))
+            if on:
+                check_on()
+    assert runs[0][0] == runs[1][0]
+    for a, b in zip(runs[0][1], runs[1][1]):
+        assert torch.equal(torch.tensor(a), torch.tensor(b))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["qwen3", "llama_bias"])
+@pytest.mark.parametrize("min_groups", [1, 4])
+def test_fused_qkv_reduce_changes_no_bit(arch, min_groups, monkeypatch):
+    """``fused_qkv_reduce``: the grouped q/k/v launch leaves its split sums and the RoPE + KV-append
+    launch reduces them (with Qwen3's q/k norms, or Llama's q/k/v biases): the same tokens and
+    log-probs, bit for bit, as the GEMM's own reduction, and the fused launch really ran in every
+    layer; with the shipped split length (one split here) the plain path runs instead."""
+    graphs_or_skip()
+    from jetrl_trainer.kernels import triton_rope_append
+    from jetrl_trainer.kernels.settings import DecodeGemmSettings
+    from jetrl_trainer.quant import QuantLinear
+    from jetrl_trainer.quant.recipe import FP8Recipe
+
+    tok = tokenizer()
+    model = _fp8_head128_model(arch, tok, hidden_size=512)  # K of 4 groups: q/k/v split in up to 4
+    recipe = FP8Recipe(decode_gemm=DecodeGemmSettings(min_groups_per_split=min_groups))
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            m.set_recipes(train=recipe, rollout=recipe)
+    calls = []
+    real = triton_rope_append.rope_append_from_partials
+
+    def counting(parts, *args, **kwargs):
+        calls.append(parts.shape[0])
+        return real(parts, *args, **kwargs)
+
+    monkeypatch.setattr(triton_rope_append, "rope_append_from_partials", counting)
+
+    def reduced_in_the_rope_launch():
+        if min_groups == 4:  # one K split: no reduction launch to save, the plain path runs
+            assert not calls, calls
+        else:
+            assert len(calls) >= len(model.model.layers) and min(calls) > 1, calls
+        calls.clear()
+
+    _same_bits_with_and_without(model, tok, "fused_qkv_reduce", reduced_in_the_rope_launch)
+    assert not calls

@@ -112,3 +112,19 @@ def test_block_sums_kernel_equals_fp64_sums_and_ignores_the_batch():
     assert torch.allclose(got, want, rtol=1e-13, atol=1e-300)
     assert torch.equal(block_sums_fp64(probs[7:8].contiguous(), CDF_BLOCK), got[7:8])
     assert torch.equal(block_sums(probs, CDF_BLOCK), got), "the sampler takes the kernel on CUDA"
+
+
+# -- in Triton's interpreter on CPU tensors (TRITON_INTERPRET=1 pytest -m interpreter) -----------------------
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("vocab, block", [(1000, 128), (1024, 256), (151_936 // 64, 1024)])
+def test_block_sums_of_the_two_level_sampler(vocab, block):
+    """The sampler's first level: FP64 sums of each block of an FP32 table, a ragged last block included."""
+    from jetrl_trainer.kernels import triton_sampling
+    from jetrl_trainer.rollout.engine.sampling import block_sums
+
+    probs = torch.rand(3, vocab, generator=torch.Generator().manual_seed(vocab)).softmax(-1)
+    got = triton_sampling._block_sums_op._init_fn(probs, block)
+    want = block_sums(probs, block)  # on CPU tensors: the torch path the engine runs off CUDA
+    assert got.dtype == torch.float64 and torch.allclose(got, want, rtol=1e-12, atol=0)
