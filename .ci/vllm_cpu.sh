@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# vLLM rollouts for real on CPU (tests/test_vllm*.py), in a virtual environment of their own so that
+# vLLM rollouts for real on CPU (tests/rollout/test_vllm*.py), in a virtual environment of their own so that
 # the core suite keeps its packages. Usage: .ci/vllm_cpu.sh [venv-dir]
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
@@ -20,5 +20,5 @@ cd "$repo"
 # fails it too (every test here must run where vLLM is installed).
 log="$scratch/pytest.log"
 JETRL_REQUIRE_VLLM=1 VLLM_CPU_KVCACHE_SPACE=1 "$venv/bin/python" -m pytest -q -rs \
-  tests/test_vllm.py tests/test_vllm_server.py tests/test_vllm_config.py | tee "$log"
+  tests/rollout/test_vllm.py tests/rollout/test_vllm_server.py tests/rollout/test_vllm_config.py | tee "$log"
 if grep -qE "[0-9]+ skipped" "$log"; then echo "vllm-cpu step: tests were skipped" >&2; exit 1; fi

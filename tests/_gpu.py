@@ -1,7 +1,7 @@
-"""Parametrization for GPU tests, so that a machine without the hardware skips with the real reason.
+"""Helpers for GPU tests: parametrization that skips with the real reason, and CUDA-graph capture.
 
 A parameter list built from what this machine has comes out empty without a GPU, and pytest then
-reports only "got empty parameter set". These helpers put one skipped parameter in its place.
+reports only "got empty parameter set". ``gpu_gemm_backends`` puts one skipped parameter in its place.
 """
 
 from __future__ import annotations
@@ -27,3 +27,17 @@ def gpu_gemm_backends() -> list:
             "built for CUDA >= 12.9, triton needs Triton and SM >= 8.9"
         )
     return [pytest.param(None, id="none", marks=pytest.mark.skip(reason=reason))]
+
+
+def capture_graph(fn, warmup: int = 2) -> torch.cuda.CUDAGraph:
+    """``fn`` captured in a CUDA graph, after ``warmup`` eager calls on a side stream."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up (compile, cuBLAS handles) off the capture stream
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph

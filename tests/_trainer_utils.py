@@ -1,4 +1,4 @@
-"""Shared set-up for the JetGRPOTrainer tests: a tiny offline model, prompts and a reward with spread.
+"""Shared set-up for the JetGRPOTrainer tests: tiny offline models (Qwen3, LLaDA), prompts and a reward with spread.
 
 Kept small on purpose: 4 prompts x 4 generations x 4 new tokens, one optimizer step. The reward
 (mean byte value of the completion text, in [0, 1]) is continuous, so it differs between any two
@@ -8,6 +8,7 @@ samples of an untrained model: GRPO advantages, and hence gradients, are non-zer
 from __future__ import annotations
 
 import functools
+import json
 from typing import Any
 
 import torch
@@ -99,3 +100,29 @@ def strategy_runs(tmp_path_factory, make):
         return cache[strategy]
 
     return get
+
+
+AUTO_MAP = {  # the published config.json carries it (and TRL reads it when it loads a reference model by path)
+    "AutoConfig": "configuration_llada.LLaDAConfig",
+    "AutoModel": "modeling_llada.LLaDAModelLM",
+    "AutoModelForCausalLM": "modeling_llada.LLaDAModelLM",
+}
+
+
+def tiny_llada(seed: int = 0):
+    from jetrl_trainer.diffusion import build_tiny_llada  # only the LLaDA tests import diffusion
+
+    tok = tokenizer()
+    return build_tiny_llada(
+        vocab_size=len(tok), mask_token_id=tok.mask_token_id, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id, seed=seed,
+    )  # fmt: skip
+
+
+def save_published_layout(path) -> str:
+    """A tiny checkpoint as the Hub has LLaDA: config keys, weight names and the remote-code auto_map."""
+    tiny_llada().save_pretrained(path)
+    tokenizer().save_pretrained(path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "auto_map": AUTO_MAP}))
+    return str(path)

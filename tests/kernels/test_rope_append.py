@@ -1,0 +1,237 @@
+"""RoPE + KV append in one launch (kernels/triton_rope_append.py): the same bits as transformers'
+eager ``apply_rotary_pos_emb`` and the engine's indexed cache append, for each supported family's
+rotary module (llama3 scaling included), on CUDA; refused on CPU; in Triton's interpreter, the writes of
+each row and the split-K reduction inside the launch. It compiles for sm_90 in test_kernels.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, Qwen3Config
+from transformers.models.llama import modeling_llama
+from transformers.models.qwen3 import modeling_qwen3
+
+from jetrl_trainer.kernels.triton_rope_append import rope_append
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def test_refuses_cpu_tensors():
+    q, k = torch.randn(2, 4, 32), torch.randn(2, 2, 32)
+    cache = torch.zeros(3, 2, 8, 32)
+    with pytest.raises(ValueError, match="CUDA kernel"):
+        rope_append(q, k, k, torch.ones(2, 32), torch.zeros(2, 32), cache, cache, torch.arange(2), torch.zeros(2, dtype=torch.long))
+
+
+FAMILIES = {
+    "qwen3": (modeling_qwen3, Qwen3Config(hidden_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+                                          rope_theta=1e6)),
+    "llama3": (modeling_llama, LlamaConfig(hidden_size=512, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+                                           rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                                             high_freq_factor=4.0, original_max_position_embeddings=64))),
+}  # fmt: skip
+
+
+@pytest.mark.gpu
+@CUDA
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_same_bits_as_the_eager_rope_and_append(family, dtype):
+    from jetrl_trainer import kernels
+
+    if not kernels.triton_available():
+        pytest.skip("needs Triton")
+    module, config = FAMILIES[family]
+    B, H, H_kv, D, S, T = 7, config.num_attention_heads, config.num_key_value_heads, config.head_dim, 9, 300
+    g = torch.Generator().manual_seed(0)
+    rotary = module.__dict__[f"{type(config).__name__.removesuffix('Config')}RotaryEmbedding"](config, device="cuda")
+    positions = torch.randint(0, T - 1, (B,), generator=g).cuda()
+    positions[0] = 0
+    x = torch.randn(B, 1, 8, device="cuda", dtype=dtype)
+    cos, sin = rotary(x, positions[:, None])  # (B, 1, D), dtype of x
+    q = (torch.randn(B, 1, H, D, generator=g) * 3).to("cuda", dtype)
+    k = (torch.randn(B, 1, H_kv, D, generator=g) * 3).to("cuda", dtype)
+    v = torch.randn(B, 1, H_kv, D, generator=g).to("cuda", dtype)
+    slots = torch.randperm(S, generator=g)[:B].cuda()
+    k_cache = torch.randn(S, H_kv, T, D, generator=g).to("cuda", dtype)
+    v_cache = torch.randn(S, H_kv, T, D, generator=g).to("cuda", dtype)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+
+    q_eager, k_eager = module.apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+    k_ref[slots, :, positions] = k_eager[:, :, 0]
+    v_ref[slots, :, positions] = v.transpose(1, 2)[:, :, 0]
+    out = rope_append(q[:, 0], k[:, 0], v[:, 0], cos[:, 0], sin[:, 0], k_cache, v_cache, slots, positions)
+    assert torch.equal(out, q_eager[:, :, 0])
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)  # nothing else written
+
+
+@pytest.mark.gpu
+@CUDA
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kv_fp8", [False, True])
+def test_fused_qk_norm_gives_the_bits_of_fused_rmsnorm_then_rope(dtype, kv_fp8):
+    """Qwen3's per-head q/k RMSNorms inside the launch: the bits of ``FusedRMSNorm`` (what both
+    phases run) followed by the eager RoPE and the append."""
+    from jetrl_trainer import kernels
+    from jetrl_trainer.quant.fp8 import quantize_fp8_groups
+    from jetrl_trainer.quant.fused import FusedRMSNorm
+
+    if not kernels.triton_available():
+        pytest.skip("needs Triton")
+    module, config = FAMILIES["qwen3"]
+    B, H, H_kv, D, S, T = 9, config.num_attention_heads, config.num_key_value_heads, config.head_dim, 11, 64
+    g = torch.Generator().manual_seed(1)
+    rotary = module.Qwen3RotaryEmbedding(config, device="cuda")
+    positions = torch.randint(0, T - 1, (B,), generator=g).cuda()
+    cos, sin = rotary(torch.zeros(B, 1, 8, device="cuda", dtype=dtype), positions[:, None])
+    q = (torch.randn(B, 1, H, D, generator=g) * 3).to("cuda", dtype)
+    k = (torch.randn(B, 1, H_kv, D, generator=g) * 3).to("cuda", dtype)
+    q[0, 0, 0] = 0.0  # an all-zero head: 0 / sqrt(eps)
+    v = torch.randn(B, 1, H_kv, D, generator=g).to("cuda", dtype)
+    q_norm = FusedRMSNorm(torch.nn.Parameter((torch.randn(D, generator=g) * 0.2 + 1).to("cuda", dtype)), 1e-6)
+    k_norm = FusedRMSNorm(torch.nn.Parameter((torch.randn(D, generator=g) * 0.2 + 1).to("cuda", dtype)), 1e-5)
+    slots = torch.randperm(S, generator=g)[:B].cuda()
+    cache_dtype = torch.float8_e4m3fn if kv_fp8 else dtype
+    k_cache = torch.zeros(S, H_kv, T, D, device="cuda").to(cache_dtype)
+    v_cache = torch.zeros_like(k_cache)
+    scales = dict(k_scale=torch.zeros(S, H_kv, T, device="cuda"), v_scale=torch.zeros(S, H_kv, T, device="cuda")) if kv_fp8 else {}
+
+    with torch.no_grad():
+        q_eager, k_eager = module.apply_rotary_pos_emb(q_norm(q).transpose(1, 2), k_norm(k).transpose(1, 2), cos, sin)
+        norms = (q_norm.weight, k_norm.weight, q_norm.variance_epsilon, k_norm.variance_epsilon)
+        out = rope_append(q[:, 0], k[:, 0], v[:, 0], cos[:, 0], sin[:, 0], k_cache, v_cache, slots, positions,
+                          qk_norms=norms, **scales)  # fmt: skip
+    assert torch.equal(out, q_eager[:, :, 0])
+    written = k_cache[slots, :, positions]  # (B, H_kv, D)
+    if kv_fp8:
+        k_q, k_s = quantize_fp8_groups(k_eager[:, :, 0].reshape(-1, D), group=D)
+        assert torch.equal(written.view(torch.uint8).reshape(-1, D), k_q.view(torch.uint8))
+        assert torch.equal(scales["k_scale"][slots, :, positions].reshape(-1), k_s.reshape(-1))
+    else:
+        assert torch.equal(written, k_eager[:, :, 0])
+        assert torch.equal(v_cache[slots, :, positions], v[:, 0])
+
+
+@pytest.mark.gpu
+@CUDA
+def test_refuses_norm_weights_of_another_shape_or_dtype():
+    q, k = torch.randn(2, 4, 32, device="cuda"), torch.randn(2, 2, 32, device="cuda")
+    cache = torch.zeros(3, 2, 8, 32, device="cuda")
+    args = (q, k, k, torch.ones(2, 32, device="cuda"), torch.zeros(2, 32, device="cuda"), cache, cache,
+            torch.arange(2, device="cuda"), torch.zeros(2, dtype=torch.long, device="cuda"))  # fmt: skip
+    for bad in (torch.ones(16, device="cuda"), torch.ones(32, device="cuda", dtype=torch.bfloat16)):
+        with pytest.raises(ValueError, match="qk_norms weights"):
+            rope_append(*args, qk_norms=(bad, bad, 1e-6, 1e-6))
+
+
+@pytest.mark.gpu
+@CUDA
+@pytest.mark.parametrize("norms, bias", [(False, True), (True, False)])
+@pytest.mark.parametrize("min_groups", [1, 8])
+def test_from_partials_gives_the_bits_of_the_grouped_gemm_then_rope(norms, bias, min_groups):
+    """q/k/v of one grouped decode GEMM left as split-K sums (several splits, or one) and reduced inside
+    the RoPE + KV-append launch: the rotated q and the cache writes of the grouped launch (its own
+    reduction, biases added there) followed by the plain RoPE launch, bit for bit in BF16."""
+    from jetrl_trainer import kernels
+    from jetrl_trainer.kernels import triton_decode_gemm as dg
+    from jetrl_trainer.kernels.settings import DecodeGemmSettings
+    from jetrl_trainer.kernels.triton_rope_append import rope_append_from_partials
+    from jetrl_trainer.quant.fp8 import quantize_fp8_blocks, quantize_fp8_groups
+
+    if not kernels.triton_available():
+        pytest.skip("needs Triton")
+    settings = DecodeGemmSettings(min_groups_per_split=min_groups)
+    module, config = FAMILIES["qwen3"]
+    B, H, H_kv, D, S, T, K, dtype = 16, 4, 2, 128, 20, 64, 1024, torch.bfloat16
+    g = torch.Generator().manual_seed(min_groups)
+    x_q, x_s = (t.cuda() for t in quantize_fp8_groups(torch.randn(B, K, generator=g) * 3))
+    widths = (H * D, H_kv * D, H_kv * D)
+    weights = [tuple(t.cuda() for t in quantize_fp8_blocks(torch.randn(n, K, generator=g) * 0.05)) for n in widths]
+    biases = [torch.randn(n, generator=g).to("cuda", dtype) for n in widths] if bias else []
+    rotary = module.Qwen3RotaryEmbedding(config, device="cuda")
+    positions = torch.randint(0, T - 1, (B,), generator=g).cuda()
+    cos, sin = rotary(torch.zeros(B, 1, 8, device="cuda", dtype=dtype), positions[:, None])
+    slots = torch.randperm(S, generator=g)[:B].cuda()
+    qk_norms = ((torch.rand(D, generator=g) + 0.5).to("cuda", dtype), (torch.rand(D, generator=g) + 0.5).to("cuda", dtype),
+                1e-6, 1e-6) if norms else None  # fmt: skip
+    caches = [torch.zeros(S, H_kv, T, D, device="cuda", dtype=dtype) for _ in range(4)]
+
+    q, k, v = (t.view(B, -1, D) for t in dg.fp8_decode_gemm_grouped(x_q, x_s, weights, biases, settings=settings))
+    want = rope_append(q, k, v, cos[:, 0], sin[:, 0], caches[0], caches[1], slots, positions, qk_norms=qk_norms)
+    parts = dg.fp8_decode_gemm_grouped_partials(x_q, x_s, weights, settings=settings)
+    assert (parts.shape[0] > 1) == (min_groups == 1)  # K = 8 groups: split, or one split (PARTIALS)
+    got = rope_append_from_partials(parts, H, cos[:, 0], sin[:, 0], caches[2], caches[3], slots, positions,
+                                    biases=biases or None, qk_norms=qk_norms)  # fmt: skip
+    assert torch.equal(got, want)
+    assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
+
+
+# -- in Triton's interpreter on CPU tensors (TRITON_INTERPRET=1 pytest -m interpreter) -----------------------
+
+# Triton's interpreter rounds FP32 -> BF16 toward zero where the GPU rounds to nearest even (2.6856
+# becomes 2.671875, not torch's 2.6875), so the bit tests here compare FP32 results; the CUDA tests
+# compare BF16 bits.
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("norms", [False, True])
+def test_rope_append_rotates_and_writes_each_rows_slot_and_position_only(norms):
+    """The engine's RoPE + KV append: rotated q returned, rotated k and v written at (slot, position) of
+    each row and nowhere else; with Qwen3's q/k norms applied first (``rmsnorm_reference``)."""
+    from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
+
+    from jetrl_trainer.kernels import triton_rope_append as kernel
+    from jetrl_trainer.quant.reference import rmsnorm_reference
+
+    g = torch.Generator().manual_seed(int(norms))
+    q, k, v = torch.randn(3, 4, 32, generator=g), torch.randn(3, 2, 32, generator=g), torch.randn(3, 2, 32, generator=g)
+    angles = torch.rand(3, 16, generator=g) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    k_cache, v_cache = torch.full((5, 2, 10, 32), 7.0), torch.full((5, 2, 10, 32), 7.0)
+    slots, positions = torch.tensor([4, 0, 2]), torch.tensor([0, 9, 3])
+    weights = (torch.rand(32, generator=g) + 0.5, torch.rand(32, generator=g) + 0.5)
+    q_norm, k_norm = weights if norms else (None, None)
+    out = kernel._rope_append_op._init_fn(q, k, v, cos, sin, k_cache, v_cache, slots, positions, None, None,
+                                          q_norm, k_norm, 1e-6, 1e-6)  # fmt: skip
+    if norms:
+        q, k = rmsnorm_reference(q, q_norm, 1e-6), rmsnorm_reference(k, k_norm, 1e-6)
+    q_rot, k_rot = apply_rotary_pos_emb(q, k, cos, sin)  # one position per row: cos / sin (B, D) over heads
+    assert torch.allclose(out, q_rot, atol=1e-5, rtol=0)
+    want_k, want_v = torch.full_like(k_cache, 7.0), torch.full_like(v_cache, 7.0)
+    want_k[slots, :, positions], want_v[slots, :, positions] = k_rot, v
+    assert torch.allclose(k_cache, want_k, atol=1e-5, rtol=0) and torch.equal(v_cache, want_v)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("splits, bias, norms", [(1, False, False), (3, True, False), (2, False, True), (4, True, True)])
+def test_rope_append_from_partials_gives_the_bits_of_reducing_first(splits, bias, norms):
+    """The q/k/v split-K reduction inside the RoPE + KV-append launch: the same rotated q and the same
+    cache writes as reducing the partial sums first (in split order, + bias, rounded once: what the
+    GEMM's reduction launch stores) and calling the plain launch on the result."""
+    from jetrl_trainer.kernels import triton_rope_append as kernel
+
+    H, H_kv, D, B, dtype = 4, 2, 32, 3, torch.float32
+    g = torch.Generator().manual_seed(splits)
+    parts = torch.randn(splits, B, (H + 2 * H_kv) * D, generator=g) * 3
+    biases = [torch.randn(w, generator=g).to(dtype) for w in (H * D, H_kv * D, H_kv * D)] if bias else None
+    angles = torch.rand(B, D // 2, generator=g) * 6
+    cos, sin = (torch.cat([f(angles)] * 2, -1).to(dtype) for f in (torch.cos, torch.sin))
+    slots, positions = torch.tensor([4, 0, 2]), torch.tensor([0, 9, 3])
+    norm_args = ((torch.rand(D, generator=g) + 0.5).to(dtype), (torch.rand(D, generator=g) + 0.5).to(dtype), 1e-6, 1e-6) \
+        if norms else (None, None, 0.0, 0.0)  # fmt: skip
+
+    acc = parts[0].clone()
+    for part in parts[1:]:
+        acc += part
+    if bias:
+        acc += torch.cat(biases).float()
+    q, k, v = kernel.partial_views(acc.to(dtype)[None], H, H_kv, D)
+    caches = [torch.full((5, H_kv, 10, D), 7.0, dtype=dtype) for _ in range(4)]
+    want = kernel._rope_append_op._init_fn(q, k, v, cos, sin, caches[0], caches[1], slots, positions, None, None,
+                                           *norm_args)  # fmt: skip
+    q, k, v = kernel.partial_views(parts, H, H_kv, D)
+    got = kernel._rope_append_op._init_fn(q, k, v, cos, sin, caches[2], caches[3], slots, positions, None, None,
+                                          *norm_args, parts, *(biases or (None, None, None)))  # fmt: skip
+    assert got.dtype == dtype and torch.equal(got, want)
+    assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
+    assert not torch.equal(caches[2], torch.full_like(caches[2], 7.0))  # the keys were written

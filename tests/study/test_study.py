@@ -1,0 +1,306 @@
+"""jetrl_trainer.study and examples/compare_strategies.py: names, spec, a --fast CLI run, resume, LLaDA.
+
+Sizes are the smallest that still train: the whole file runs in well under a minute on 2 cores.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jetrl_trainer import _choices, study
+from jetrl_trainer._choices import STUDY_STRATEGIES, STUDY_STRATEGIES_NVFP4
+from jetrl_trainer.study import Strategy, StudySpec, TinyModel, parse_strategies, parse_strategy, run_study
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "examples" / "compare_strategies.py"
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+FAST_ARGS = ("--fast", "--num_threads", "1")
+
+
+def _script_module():
+    spec = importlib.util.spec_from_file_location("compare_strategies", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve the module's annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+# ---------------------------------------------------------------------------------- strategy names
+
+
+def test_parse_strategy_normalises():
+    assert parse_strategy(" BF16/FP8+AIS ") == Strategy("bf16", "fp8", "ais")
+    assert parse_strategy("fp8/fp8+none") == parse_strategy("fp8/fp8") == Strategy("fp8", "fp8", "none")
+    assert parse_strategy("fp8/fp8").name == "fp8/fp8" and parse_strategy("bf16/nvfp4+ais").slug == "bf16-nvfp4-ais"
+    assert parse_strategy("bf16/fp8+tis").config_kwargs() == dict(train_precision="bf16", rollout_precision="fp8",
+                                                                  corrector="tis")  # fmt: skip
+
+
+def test_default_sets_parse_to_their_own_names():
+    assert study.STUDY_STRATEGIES is STUDY_STRATEGIES and study.TINY_ARCHS is _choices.TINY_ARCHS  # one definition
+    for name in STUDY_STRATEGIES + STUDY_STRATEGIES_NVFP4:
+        assert parse_strategy(name).name == name
+    assert len({parse_strategy(n).slug for n in STUDY_STRATEGIES + STUDY_STRATEGIES_NVFP4}) == 10  # folders differ
+
+
+@pytest.mark.parametrize(
+    "name, match",
+    [
+        ("bf16", "must read 'train_precision/rollout_precision"),
+        ("bf16/", "must read"),
+        ("/fp8", "must read"),
+        ("bf16/fp8+", "must read"),
+        ("fp16/fp8", "train precision of strategy 'fp16/fp8' must be one of bf16, fp8, nvfp4; got 'fp16'"),
+        ("bf16/int4", "rollout precision of strategy 'bf16/int4' must be one of"),
+        ("bf16/fp8+clip", "corrector of strategy 'bf16/fp8\\+clip' must be one of ais, is, mis, none, tis"),
+        (3, "a strategy is a string"),
+    ],
+)
+def test_parse_strategy_errors(name, match):
+    with pytest.raises(ValueError, match=match):
+        parse_strategy(name)
+
+
+def test_parse_strategies_lists_and_duplicates():
+    assert [s.name for s in parse_strategies("bf16/bf16, fp8/fp8+ais,")] == ["bf16/bf16", "fp8/fp8+ais"]
+    with pytest.raises(ValueError, match="'bf16/fp8' is listed twice"):
+        parse_strategies(["bf16/fp8", "BF16/FP8+none"])
+    with pytest.raises(ValueError, match="no strategies given"):
+        parse_strategies(" , ")
+
+
+def test_spec_validation():
+    assert StudySpec(task="countdown", strategies=("BF16/FP8+none",)).strategies == ("bf16/fp8",)
+    assert StudySpec(task="countdown", steps=12).window == 2
+    with pytest.raises(ValueError, match="unknown task 'chess'"):
+        StudySpec(task="chess")
+    with pytest.raises(ValueError, match="seeds must be distinct"):
+        StudySpec(task="countdown", seeds=(1, 1))
+    with pytest.raises(ValueError, match="num_generations must be >= 2"):
+        StudySpec(task="countdown", num_generations=1)
+    with pytest.raises(ValueError, match="eval_phase must be one of train, rollout"):
+        StudySpec(task="countdown", eval_phase="eval")
+    with pytest.raises(ValueError, match=r"trainer_kwargs must not set \['corrector'\]"):
+        StudySpec(task="countdown", trainer_kwargs={"corrector": "tis"})
+
+
+# ---------------------------------------------------------------------------------- the CLI
+
+
+def test_help_answers_without_importing_torch(tmp_path):
+    code = ("import runpy, sys; sys.argv = ['compare_strategies.py', '--help']\n"
+            f"try: runpy.run_path({str(SCRIPT)!r}, run_name='__main__')\n"
+            "except SystemExit: pass\n"
+            "print('TORCH' if 'torch' in sys.modules else 'NO TORCH')")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "--fast" in done.stdout and "--stress" in done.stdout and "Comma-separated" in done.stdout
+    assert done.stdout.rstrip().endswith("NO TORCH")
+
+
+def test_presets_and_flags():
+    cli = _script_module()
+    fast = cli.parse(["--fast", "--steps", "5"])
+    assert fast.steps == 5 and fast.seeds == "0" and fast.strategies.count(",") == 1  # the flag beats the preset
+    spec, model = cli.build(cli.parse(["--stress", "--task", "sudoku", "--difficulty", "holes=8"]))
+    assert spec.strategies == STUDY_STRATEGIES and spec.seeds == (0, 1, 2) and spec.difficulty == {"holes": 8}
+    assert spec.temperature > 1.0 and spec.completion_length() > 24  # sudoku's own budget is 24
+    assert isinstance(model, TinyModel) and model.warm_start_steps < cli.FULL["warm_start_steps"]
+    assert len(cli.build(cli.parse(["--nvfp4"]))[0].strategies) == len(STUDY_STRATEGIES) + 2
+    long = cli.build(cli.parse(["--task", "reverse", "--difficulty", "min_digits=150,max_digits=200"]))[0]
+    assert long.completion_length() == 208  # the task's budget follows its length knob
+    budget = cli.build(cli.parse(["--task", "reverse", "--max_completion_length", "64"]))[0]
+    assert budget.completion_length() == 64
+
+
+def test_the_gpu_preset_describes_a_local_03b_model_on_the_engine():
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from jetrl_trainer.tiny import build_tiny_tokenizer
+
+    cli = _script_module()
+    args = cli.parse(["--gpu", "--device", "cpu", "--seeds", "3"])
+    spec, model = cli.build(args)
+    assert spec.trainer_kwargs == {"rollout_backend": "engine"} and spec.completion_length() == 256
+    assert spec.seeds == (3,) and len(spec.strategies) == len(STUDY_STRATEGIES)  # flags still beat the preset
+    assert isinstance(model, TinyModel) and model.dtype == "bfloat16" and model.device == "cpu"
+    overrides = dict(model.config_overrides)
+    assert overrides["hidden_size"] == 1024 and overrides["num_hidden_layers"] == 24
+    tokenizer = build_tiny_tokenizer()
+    with torch.device("meta"):  # count the parameters without allocating them
+        net = Qwen3ForCausalLM(Qwen3Config(vocab_size=len(tokenizer), **overrides))
+    assert sum(p.numel() for p in net.parameters()) > 0.3e9
+    with pytest.raises(SystemExit, match="k=v pairs"):
+        cli.build(cli.parse(["--model_overrides", "hidden_size"]))
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="needs a CUDA device"):
+            cli.build(cli.parse(["--gpu"]))
+
+
+def test_model_overrides_build_a_larger_tiny_model_where_asked():
+    import torch
+
+    from jetrl_trainer.tasks import get_task
+
+    model, _ = TinyModel("qwen3", warm_start_steps=0, config_overrides=(("num_hidden_layers", 3),))(
+        seed=0, task=get_task("countdown"), max_completion_length=8, sft_dataset=None
+    )
+    assert model.config.num_hidden_layers == 3 and next(model.parameters()).device == torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def fast_study(tmp_path_factory):
+    out = tmp_path_factory.mktemp("study") / "out"
+    done = subprocess.run([sys.executable, str(SCRIPT), *FAST_ARGS, "--output_dir", str(out)], cwd=out.parent,
+                          env={**os.environ, **OFFLINE}, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    return out, done
+
+
+def _table(out: Path) -> dict[str, list[str]]:
+    cells = {}
+    for line in (out / "study.md").read_text().splitlines():
+        match = re.match(r"\| `([^`]+)` \|(.*)\|$", line)
+        if match:
+            cells[match.group(1)] = [c.strip() for c in match.group(2).split("|")]
+    return cells
+
+
+def _read(folder: Path) -> tuple[list[dict], dict]:
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    return rows, json.loads((folder / "result.json").read_text())
+
+
+def test_fast_run_writes_runs_table_and_plot(fast_study):
+    out, done = fast_study
+    assert "bf16/fp8+ais seed 0" in done.stderr and "fp8/fp8 seed 0" in done.stderr  # one tqdm bar per run
+    assert (out / "study.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = _table(out)
+    assert list(table) == ["bf16/fp8+ais", "fp8/fp8"]
+    for name, slug in (("bf16/fp8+ais", "bf16-fp8-ais"), ("fp8/fp8", "fp8-fp8")):
+        rows, result = _read(out / slug / "seed0")
+        assert [r["step"] for r in rows] == [1, 2, 3] and result["rows"] == 3 and result["strategy"] == name
+        # every number of the row, recomputed from the metrics file and the result
+        final = statistics.fmean(r["reward"] for r in rows[-1:])  # window = max(1, 3 // 5)
+        seeds, reward, before, after, eval_reward, dmean, dmax, rollout, train = table[name]
+        assert seeds == "1" and reward == f"{final:.3f} ± 0.000"
+        assert before == f"{result['eval_before']['accuracy']:.3f} ± 0.000"
+        assert after == f"{result['eval_after']['accuracy']:.3f} ± 0.000" and result["eval_after"]["n"] == 16
+        assert eval_reward == f"{result['eval_after']['reward']:.3f} ± 0.000"
+        assert dmean == f"{statistics.fmean(r['mismatch/logp_abs_diff_mean'] for r in rows):.2e}"
+        assert dmax == f"{max(r['mismatch/logp_abs_diff_max'] for r in rows):.2e}"
+        assert rollout == f"{statistics.median(r['time/rollout_s'] for r in rows):.2f}"
+        assert train == f"{statistics.median(r['time/train_s'] for r in rows):.2f}"
+        for r in rows:
+            assert 0 < r["time/rollout_s"] < r["time/step_s"]
+            assert r["time/train_s"] == pytest.approx(r["time/step_s"] - r["time/rollout_s"])
+    ais_rows, _ = _read(out / "bf16-fp8-ais" / "seed0")
+    unified_rows, _ = _read(out / "fp8-fp8" / "seed0")
+    assert all(0 <= r["corrector/alpha"] <= 1 for r in ais_rows)
+    assert min(r["mismatch/logp_abs_diff_mean"] for r in ais_rows) > 10 * max(
+        r["mismatch/logp_abs_diff_mean"] for r in unified_rows
+    )  # BF16 learner / FP8 sampler against the unified flow
+    # Same seed, same warm start, same prompts, same FP8 sampler at step 1: the same completions.
+    for key in ("reward", "completions/mean_length", "num_tokens"):
+        assert ais_rows[0][key] == unified_rows[0][key], key
+
+
+def test_resume_skips_finished_runs_and_redoes_unfinished_ones(fast_study, capsys, one_thread):
+    out, _ = fast_study
+    cli = _script_module()
+    done_run, redo_run = out / "bf16-fp8-ais" / "seed0", out / "fp8-fp8" / "seed0"
+    stamp = (done_run / "metrics.jsonl").stat().st_mtime_ns
+    (redo_run / "result.json").unlink()  # as if killed before its done-marker
+    assert cli.main([*FAST_ARGS, "--output_dir", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "ran 1, skipped 1 finished" in printed
+    assert (done_run / "metrics.jsonl").stat().st_mtime_ns == stamp
+    assert _read(redo_run)[1]["rows"] == 3
+    assert cli.main([*FAST_ARGS, "--output_dir", str(out)]) == 0
+    assert "ran 0, skipped 2 finished" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match=r"finished run with another settings \(steps\)"):
+        cli.main([*FAST_ARGS, "--output_dir", str(out), "--steps", "4"])
+    with pytest.raises(SystemExit, match="finished run with another model"):
+        cli.main([*FAST_ARGS, "--output_dir", str(out), "--warm_start_steps", "11"])
+
+
+def _copy_without(out: Path, tmp_path: Path, unfinished: str) -> Path:
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    (copy / unfinished / "seed0" / "result.json").unlink()
+    return copy
+
+
+def test_report_only_runs_nothing_and_names_the_missing_runs(fast_study, tmp_path, capsys, one_thread):
+    copy = _copy_without(fast_study[0], tmp_path, "fp8-fp8")
+    stamp = (copy / "fp8-fp8" / "seed0" / "metrics.jsonl").stat().st_mtime_ns
+    assert _script_module().main([*FAST_ARGS, "--output_dir", str(copy), "--report_only"]) == 0
+    assert "ran 0, skipped 1 finished" in capsys.readouterr().out
+    assert list(_table(copy)) == ["bf16/fp8+ais"]
+    assert "**Not run:** fp8/fp8 seed 0 (this table covers the finished runs only)." in (copy / "study.md").read_text()
+    assert (copy / "fp8-fp8" / "seed0" / "metrics.jsonl").stat().st_mtime_ns == stamp
+
+
+def test_runs_record_their_start_and_a_differing_rebuilt_start_is_flagged(fast_study, tmp_path, capsys, one_thread):
+    out = fast_study[0]
+    starts = {_read(out / slug / "seed0")[1]["start_fingerprint"] for slug in ("bf16-fp8-ais", "fp8-fp8")}
+    assert len(starts) == 1 and re.fullmatch(r"[0-9a-f]{16}", starts.pop())  # one warm start per seed
+    copy = _copy_without(out, tmp_path, "fp8-fp8")
+    cli = _script_module()
+    assert cli.main([*FAST_ARGS, "--output_dir", str(copy)]) == 0  # the CPU warm start rebuilds bit for bit
+    assert "differs" not in capsys.readouterr().out and "Warning" not in (copy / "study.md").read_text()
+    finished = copy / "bf16-fp8-ais" / "seed0" / "result.json"
+    finished.write_text(json.dumps({**json.loads(finished.read_text()), "start_fingerprint": "0" * 16}))
+    (copy / "fp8-fp8" / "seed0" / "result.json").unlink()
+    assert cli.main([*FAST_ARGS, "--output_dir", str(copy)]) == 0
+    printed = capsys.readouterr().out
+    assert "warning: seed 0's rebuilt start differs from the one its finished runs began with" in printed
+    assert "**Warning:** the runs of seed(s) 0 began from different weights" in (copy / "study.md").read_text()
+
+
+# ---------------------------------------------------------------------------------- LLaDA
+
+
+def test_llada_study(tmp_path, one_thread):
+    spec = StudySpec(task="countdown", strategies=("bf16/fp8+ais", "fp8/fp8"), seeds=(0,), steps=2, prompts_per_step=2,
+                     num_generations=4, eval_prompts=8, sft_examples=64, max_completion_length=8,
+                     trainer_kwargs={"diffusion_steps": 4})  # fmt: skip
+    out = run_study(spec, TinyModel("llada", warm_start_steps=5), tmp_path, progress=False, log=lambda _: None)
+    assert out.ran == ("bf16/fp8+ais seed 0", "fp8/fp8 seed 0") and out.plot.exists()
+    mixed, _ = _read(tmp_path / "bf16-fp8-ais" / "seed0")
+    unified, result = _read(tmp_path / "fp8-fp8" / "seed0")
+    assert result["model"]["arch"] == "llada" and result["eval_after"]["n"] == 8
+    # the diffusion scorer evaluates both phases on the same mask: the unified flow is exactly 0
+    assert all(r["mismatch/logp_abs_diff_mean"] == 0.0 for r in unified)
+    assert all(r["mismatch/logp_abs_diff_mean"] > 0 and "corrector/alpha" in r for r in mixed)
+    assert all(r["time/rollout_s"] > 0 for r in mixed + unified)
+    assert set(_table(tmp_path)) == {"bf16/fp8+ais", "fp8/fp8"}
+
+
+# ---------------------------------------------------------------------------------- a checkpoint
+
+
+def test_a_checkpoint_folder_is_loaded_as_it_is(tmp_path, one_thread):
+    from jetrl_trainer.tiny import build_tiny_qwen3, build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer()
+    build_tiny_qwen3(tokenizer).save_pretrained(tmp_path / "ckpt")
+    tokenizer.save_pretrained(tmp_path / "ckpt")
+    spec = StudySpec(task="arithmetic", strategies=("bf16/fp8",), seeds=(0,), steps=1, prompts_per_step=2,
+                     num_generations=2, eval_prompts=4, sft_examples=8)  # fmt: skip
+    out = run_study(spec, str(tmp_path / "ckpt"), tmp_path / "out", progress=False, log=lambda _: None)
+    rows, result = _read(tmp_path / "out" / "bf16-fp8" / "seed0")
+    assert out.ran == ("bf16/fp8 seed 0",) and len(rows) == 1 and rows[0]["mismatch/logp_abs_diff_mean"] > 0
+    assert result["model"] == {"builder": "jetrl_trainer.study.models.PretrainedModel",
+                               "model_id": str(tmp_path / "ckpt"), "dtype": "bfloat16"}  # fmt: skip
