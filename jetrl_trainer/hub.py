@@ -5,7 +5,7 @@ the original ``weight`` / ``bias`` Parameters, so ``save_pretrained`` writes the
 (BF16 when the model was loaded in BF16) under the usual names and a plain
 ``AutoModelForCausalLM.from_pretrained`` loads them. Nothing else reaches the state dict: the
 quantized weight cache is a plain attribute, not a buffer, and the fused norm/SwiGLU modules hold
-the same Parameters under the same names (``tests/test_hub.py`` checks both), so there is nothing to
+the same Parameters under the same names (``tests/trainer/test_hub.py`` checks both), so there is nothing to
 filter at save time.
 
 `export_fp8_checkpoint` writes the other kind: the FP8 weights the rollout phase ran, for serving

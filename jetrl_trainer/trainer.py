@@ -37,7 +37,7 @@ How this departs from TRL 1.16's `GRPOTrainer` (docs/architecture.md#where-it-me
 
 The overrides of TRL's private methods form one thin layer (``_generate_single_turn``,
 ``_generate_and_score_completions``, ``_get_per_token_logps_and_entropies``, ``_compute_loss``);
-tests/test_trl_contract.py checks each contract they rely on.
+tests/trainer/test_trl_contract.py checks each contract they rely on.
 """
 
 from __future__ import annotations
@@ -300,7 +300,7 @@ class JetGRPOTrainer(GRPOTrainer):
                 return super()._compute_loss(model, inputs)
             # TRL applies `per_token_loss *= inputs["importance_sampling_ratio"]` (after the clipped
             # surrogate, before the KL term) only under these two flags. Within `_compute_loss` they
-            # guard nothing else (tests/test_trl_contract.py), so raising them for this call puts our
+            # guard nothing else (tests/trainer/test_trl_contract.py), so raising them for this call puts our
             # weights there for every loss_type without copying the method.
             with _attributes(self, use_vllm=True, vllm_importance_sampling_correction=True):
                 return super()._compute_loss(model, inputs)

@@ -2,7 +2,7 @@
 
 **Opt-in, because it is untested against a real DeepGEMM.** The adapter was written from
 DeepGEMM's source and is exercised on CPU against a strict fake of that contract
-(``tests/test_deepgemm_backend.py``); the one build of DeepGEMM 2.6.1 tried on an H200 crashed on
+(``tests/kernels/test_deepgemm_backend.py``); the one build of DeepGEMM 2.6.1 tried on an H200 crashed on
 its first GEMM call. So the automatic choice never picks it; force it with
 ``JETRL_GEMM_BACKEND=deepgemm``, ``use_gemm_backend("deepgemm")`` or ``backend="deepgemm"``.
 Make it automatic (``opt_in=False`` below) only after ``test_real_deepgemm_matches_emulated`` has
