@@ -39,7 +39,6 @@ from jetrl_trainer.quant import PrecisionPhases, QuantLinear, quantize_model
 from jetrl_trainer.quant.recipe import FP8Recipe
 from jetrl_trainer.rollout import generate_with_logprobs, left_pad, position_ids_from_mask
 from jetrl_trainer.rollout.engine import DecodeEngine, EngineSettings
-from jetrl_trainer.rollout.engine import sampling as engine_sampling
 
 PROMPT, DISTINCT = 128, 8
 
@@ -124,21 +123,12 @@ def mismatch(model, ps, completions, logprobs, rows: int = 8) -> float:
     return (lp.cpu() - torch.tensor(logprobs)).abs().mean().item()
 
 
-# Engine variants for --variants: the shipped engine against each of its choices undone (EngineSettings
-# fields), and the sampler's draw through one FP64 cumulative sum, as before the two-level draw.
+# Engine variants for --variants: the shipped engine against other EngineSettings.
 VARIANTS = {
     "shipped": dict(settings={}),
-    "no_look_ahead": dict(settings=dict(look_ahead=False)),
-    "ungrouped": dict(settings=dict(grouped_projections=False, fused_epilogues=False)),
-    # Without the fused epilogues (residual adds and split-K reductions in the next RMSNorm, the o
-    # projection's act quant in attention).
-    "unfused_epilogues": dict(settings=dict(fused_epilogues=False)),
     # Decode attention in 64-position tiles, newest first (flash attention's order), whatever the
     # training forward's SDPA backend (oldest first, 128 positions under cuDNN).
     "flash64": dict(settings=dict(attention_order=SDPBackend.FLASH_ATTENTION)),
-    # The q/k/v split-K reduction in a launch of its own.
-    "unfused_qkv": dict(settings=dict(fused_qkv_reduce=False)),
-    "one_level_sampler": dict(settings={}, one_level_sampler=True),
 }
 VARIANT = VARIANTS["shipped"]
 
@@ -147,30 +137,12 @@ def new_engine(model, **kwargs) -> DecodeEngine:
     return DecodeEngine(model, settings=EngineSettings(**VARIANT["settings"]), **kwargs)
 
 
-def one_level_draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """The engine sampler's draw before `inverse_cdf_sample`: one FP64 cumulative sum over the vocabulary."""
-    cdf = probs.to(torch.float64).cumsum(dim=-1)
-    target = u.to(torch.float64) * cdf[:, -1]
-    return torch.searchsorted(cdf, target[:, None], right=True).squeeze(-1).clamp(max=probs.shape[-1] - 1)
-
-
-@contextlib.contextmanager
-def sampler_draw(one_level: bool):
-    saved = engine_sampling.inverse_cdf_sample
-    engine_sampling.inverse_cdf_sample = one_level_draw if one_level else saved
-    try:
-        yield
-    finally:
-        engine_sampling.inverse_cdf_sample = saved
-
-
 @contextlib.contextmanager
 def engine_variant(name: str):
     global VARIANT
     saved, VARIANT = VARIANT, VARIANTS[name]
     try:
-        with sampler_draw(VARIANT.get("one_level_sampler", False)):
-            yield
+        yield
     finally:
         VARIANT = saved
 
@@ -260,9 +232,9 @@ def kernel_breakdown(step, steps: int = 3) -> dict:
     return kernels_by_kind(step, steps, _KERNEL_KINDS)
 
 
-PROFILED = ("bf16", "fp8", "fp8_unfused", "fp8_ungrouped", "fp8_general", "fp8_unfused_qkv")
-# Also accepted by --profile: any name with "_cumsum" appended: the sampler's one-level draw
-# (`one_level_draw`), and with "_flash64": the attention arithmetic of the "flash64" variant.
+PROFILED = ("bf16", "fp8", "fp8_general")
+# Also accepted by --profile: any name with "_flash64" appended: the attention arithmetic of the
+# "flash64" variant.
 
 
 def profile_step(model, batch: int, new: int, precisions: tuple[str, ...] = PROFILED) -> dict:
@@ -277,17 +249,12 @@ def profile_step(model, batch: int, new: int, precisions: tuple[str, ...] = PROF
     config = GenerationConfig(max_new_tokens=new, do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
     general = "scaled_mm" if "scaled_mm" in available_gemm_backends("cuda") else "triton"
     for name in precisions:
-        precision = name.removesuffix("_cumsum").removesuffix("_flash64")
+        precision = name.removesuffix("_flash64")
         forced = use_gemm_backend(general) if precision == "fp8_general" else contextlib.nullcontext()
         phase = "train" if precision.startswith("bf16") else "rollout"
-        with torch.no_grad(), PrecisionPhases(model).use(phase), forced, sampler_draw(name.endswith("_cumsum")):
-            settings = EngineSettings(
-                grouped_projections=precision != "fp8_ungrouped",
-                fused_epilogues=precision not in ("fp8_unfused", "fp8_ungrouped"),
-                fused_qkv_reduce=precision != "fp8_unfused_qkv",
-                **(VARIANTS["flash64"]["settings"] if "_flash64" in name else {}),
-            )
-            engine = DecodeEngine(model, settings=settings)
+        with torch.no_grad(), PrecisionPhases(model).use(phase), forced:
+            settings = VARIANTS["flash64" if name.endswith("_flash64") else "shipped"]["settings"]
+            engine = DecodeEngine(model, settings=EngineSettings(**settings))
             v = engine.view
             cache = KVCache(num_layers=len(v.layers), num_slots=batch + 1, max_len=PROMPT + new,
                             num_kv_heads=v.num_kv_heads, head_dim=v.head_dim, dtype=v.dtype, device=v.device)
@@ -329,12 +296,9 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--profile-only", action="store_true", help="only the per-step profile (no throughput runs)")
     ap.add_argument("--profile", default=",".join(PROFILED),
-                    help=f"comma list of the engines the step profile covers ({', '.join(PROFILED)}; '' for none): fp8_unfused "
-                         "without the fused epilogues, fp8_ungrouped without those and the grouped launches, "
-                         "fp8_general on the general GEMM path, "
-                         "fp8_unfused_qkv with the q/k/v split-K reduction in a launch of its own; "
-                         "any of them + '_cumsum': with the sampler's one-level FP64 cumulative sum, "
-                         "+ '_flash64': with the flash64 variant's attention tiles")  # fmt: skip
+                    help=f"comma list of the engines the step profile covers ({', '.join(PROFILED)}; '' for none): "
+                         "fp8_general on the general GEMM path; any of them + '_flash64': with the flash64 "
+                         "variant's attention tiles")  # fmt: skip
     ap.add_argument("--kv-only", action="store_true", help="only the fixed-length engine runs, with an FP8 KV cache too")
     ap.add_argument("--refill", type=int, default=4,
                     help="variable-length case with refill: this many times the batch, through batch slots")

@@ -5,8 +5,8 @@ The training forward runs transformers' SDPA attention (``is_causal``, no mask o
 on the H200 with torch 2.11 torch picks cuDNN for it); the engine's prefill is the model's own
 forward. This probe measures the mismatch for HF ``generate`` and for the engine: with the decode
 kernel's tiles matched to the training forward's backend (the default) or in another order, and,
-without graphs, the engine's kernel path with one component swapped (SDPA for the attention kernel,
-ungrouped projections) or its eager path. ``--attention-backend`` forces one SDPA backend on every
+without graphs, the engine's kernel path as it is or with SDPA for the attention kernel, or its eager
+path. ``--attention-backend`` forces one SDPA backend on every
 call (the teacher-forced forward, the prefill and ``generate``'s decode).
 
 Several seeds per variant, since the sampled tokens (and so the mean) differ between runs.
@@ -31,6 +31,7 @@ from transformers import GenerationConfig
 import jetrl_trainer.rollout.engine.attention as engine_attention
 from jetrl_trainer.kernels.settings import DecodeAttentionSettings
 from jetrl_trainer.quant import PrecisionPhases
+from jetrl_trainer.quant.fp8 import quantize_fp8_groups
 from jetrl_trainer.rollout import generate_with_logprobs
 from jetrl_trainer.rollout.engine import DecodeEngine, EngineSettings
 
@@ -62,10 +63,13 @@ def sdpa_decode(q, k_cache, v_cache, lengths, scaling):
 
 def sdpa_kernel_attention(q, k_cache, v_cache, slots, lengths, scale, **options):
     """A stand-in for the Triton decode kernel in the engine's kernel path (eager, equal-length rows):
-    unmasked SDPA over the live prefix, as ``generate`` runs it."""
-    if options.get("quantize_output"):
-        raise ValueError("the SDPA stand-in needs the engine's fused epilogues off")
-    return sdpa_decode(q, k_cache[slots], v_cache[slots], lengths, scale)
+    unmasked SDPA over the live prefix, as ``generate`` runs it; with ``quantize_output``, also the
+    output's 1x128 FP8 quantization (the reference of the kernel's)."""
+    out = sdpa_decode(q, k_cache[slots], v_cache[slots], lengths, scale)
+    scale_format = options.get("quantize_output")
+    if scale_format is None:
+        return out
+    return (out, *quantize_fp8_groups(out.reshape(out.shape[0], -1), 128, scale_format=scale_format))
 
 
 def kernel_us(engine: DecodeEngine, cache: int = 384) -> dict:
@@ -101,7 +105,7 @@ def patched_decode(decode, kernel_attention=None):
 
 def build_engine(model, spec: dict) -> DecodeEngine:
     """The engine a variant names: ``spec["settings"]``, EngineSettings' keywords (``decode_path="kernels"``:
-    the kernel path without graphs, Triton RoPE/append and grouped GEMMs launched eagerly)."""
+    the kernel path's launches made eagerly, without graphs)."""
     return DecodeEngine(model, settings=EngineSettings(**spec.get("settings", {})))
 
 
@@ -125,8 +129,7 @@ def main() -> None:
     ps = [torch.randint(100, 150000, (lengths[i % len(lengths)],), generator=g).tolist() for i in range(args.rows)]
     config = GenerationConfig(max_new_tokens=args.new, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
                               pad_token_id=0, eos_token_id=[-1])  # fmt: skip
-    plain = dict(decode_path="kernels", grouped_projections=False, fused_epilogues=False)  # a module call a projection
-    grouped = dict(plain, grouped_projections=True)
+    eager = dict(decode_path="kernels")
     variants = {
         "hf": None,
         "engine": dict(),
@@ -136,10 +139,8 @@ def main() -> None:
         # from "engine" only where the cache passes 512 positions and the batch is small (--new > 384).
         "engine, one KV split": dict(settings=dict(attention=DecodeAttentionSettings(min_tiles_per_split=1 << 20))),
         # Isolation: the kernel path without graphs, one component changed at a time.
-        "kernel path eager, ungrouped, unfused": dict(settings=plain),
-        "kernel path eager, ungrouped, unfused, SDPA attention": dict(settings=plain, kernel_attention=sdpa_kernel_attention),
-        "kernel path eager, grouped, unfused": dict(settings=grouped),
-        "kernel path eager, grouped, unfused, SDPA attention": dict(settings=grouped, kernel_attention=sdpa_kernel_attention),
+        "kernel path eager": dict(settings=eager),
+        "kernel path eager, SDPA attention": dict(settings=eager, kernel_attention=sdpa_kernel_attention),
         "engine eager (model's RoPE), SDPA attention": dict(decode=sdpa_decode, settings=dict(decode_path="torch")),
     }
     if args.ragged:

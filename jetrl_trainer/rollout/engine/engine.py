@@ -105,7 +105,7 @@ class DecodeEngine:
         self.modules = _module_ids(model)  # the module tree the view was read from
         self.settings = dataclasses.replace(settings, decode_path=_decode_path(settings, self.view.device))
         self.on_kernels = self.settings.decode_path != "torch"
-        self.plan = plan_decode(self.view, self.settings, self.on_kernels)
+        self.plan = plan_decode(self.view, self.on_kernels)
         self.kv_fp8 = check_choice("kv_cache_dtype", kv_cache_dtype, KV_CACHE_DTYPES) == "fp8"
         self.keep_state = keep_state
         self._kept: _DecodeState | None = None
@@ -157,7 +157,7 @@ class DecodeEngine:
         scheduler = SlotScheduler(seqs, slots, eos=set(eos_token_ids), budgets=budgets, seed=seed,
                                   device=self.view.device)  # fmt: skip
         scheduler.run(lambda started: prompts.start(started, scheduler.step_inputs),
-                      lambda *inputs: self._step(state, *inputs), self.settings.look_ahead)  # fmt: skip
+                      lambda *inputs: self._step(state, *inputs))  # fmt: skip
         if self.keep_state:
             self._kept = dataclasses.replace(state, read=self._read_in_place())
         graphs = state.graphs

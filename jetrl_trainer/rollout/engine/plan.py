@@ -1,6 +1,6 @@
 """The decode step's per-layer plan: which launches run each layer, decided once when the engine is built.
 
-A `LayerPlan` fixes the structure of one decoder layer's step from the engine's settings, the
+A `LayerPlan` fixes the structure of one decoder layer's step from the engine's decode path, the
 model's modules and the kernels this process has; the step (`layers.py`) is a straight loop over
 the plans. What depends on the step itself stays a check at call time: a grouped or split-K launch
 runs only at decode M, under an FP8 recipe in the active phase and without autograd (else the
@@ -21,7 +21,6 @@ from torch import nn
 from jetrl_trainer import kernels
 
 from .architecture import is_gated_mlp
-from .settings import EngineSettings
 
 if TYPE_CHECKING:
     from .architecture import DecoderView
@@ -98,13 +97,13 @@ def _kernel_loaded(name: str) -> bool:
     return kernels.triton_enabled() and kernels.optional_module(name) is not None
 
 
-def _norm_mode(norm: nn.Module | None, on_kernels: bool, fuse_add: bool) -> str:
+def _norm_mode(norm: nn.Module | None, on_kernels: bool, takes_add: bool = True) -> str:
     """A `FusedRMSNorm` (``rmsnorm_reference``, the norm kernel's bits) runs as the engine's launch."""
     from jetrl_trainer.quant.fused import FusedRMSNorm
 
     if not (on_kernels and isinstance(norm, FusedRMSNorm) and _kernel_loaded("triton_norm")):
         return "module"
-    return "kernel+add" if fuse_add else "kernel"
+    return "kernel+add" if takes_add else "kernel"
 
 
 def _mlp_mode(mlp: nn.Module, on_kernels: bool, norm: str, grouped: bool) -> str:
@@ -119,31 +118,30 @@ def _mlp_mode(mlp: nn.Module, on_kernels: bool, norm: str, grouped: bool) -> str
     return "gated" if grouped or norm != "module" else "module"
 
 
-def plan_decode(view: DecoderView, settings: EngineSettings, on_kernels: bool) -> DecodePlan:
-    """Each layer's plan for ``view``'s model under ``settings``; ``on_kernels``: the step runs the Triton
-    kernels (``decode_path`` ``"graphs"`` or ``"kernels"``)."""
-    fuse = settings.fused_epilogues
+def plan_decode(view: DecoderView, on_kernels: bool) -> DecodePlan:
+    """Each layer's plan for ``view``'s model; ``on_kernels``: the step runs the Triton kernels
+    (``decode_path`` ``"graphs"`` or ``"kernels"``)."""
     # The first norm has no residual add before it to take.
-    input_norms = [_norm_mode(layer.input_layernorm, on_kernels, fuse and i > 0) for i, layer in enumerate(view.layers)]
+    input_norms = [_norm_mode(layer.input_layernorm, on_kernels, i > 0) for i, layer in enumerate(view.layers)]
     plans = []
     for i, layer in enumerate(view.layers):
         attn = layer.self_attn
-        grouped_qkv = on_kernels and settings.grouped_projections and view.qkv_groups[i] is not None
+        grouped_qkv = on_kernels and view.qkv_groups[i] is not None
         if not hasattr(attn, "q_norm"):
             qk_norms = "none"
         else:
             qk_norms = "rope" if on_kernels and view.qk_norms[i] is not None else "modules"
-        post_norm = _norm_mode(layer.post_attention_layernorm, on_kernels, fuse)
+        post_norm = _norm_mode(layer.post_attention_layernorm, on_kernels)
         o_sums = post_norm == "kernel+add" and view.o_groups[i] is not None
         attention = "torch" if not on_kernels else "kernel+fp8" if o_sums and view.head_dim == 128 else "kernel"
-        grouped_gate_up = on_kernels and settings.grouped_projections and view.mlp_groups[i] is not None
+        grouped_gate_up = on_kernels and view.mlp_groups[i] is not None
         next_norm = input_norms[i + 1] if i + 1 < len(view.layers) else "module"
         plans.append(LayerPlan(
             input_norm=input_norms[i], grouped_qkv=grouped_qkv,
-            qkv_sums_to_rope=grouped_qkv and settings.fused_qkv_reduce and qk_norms != "modules",
+            qkv_sums_to_rope=grouped_qkv and qk_norms != "modules",
             qk_norms=qk_norms, attention=attention, o_sums_to_norm=o_sums, post_attention_norm=post_norm,
             grouped_gate_up=grouped_gate_up, mlp=_mlp_mode(layer.mlp, on_kernels, post_norm, grouped_gate_up),
             # after the grouped gate/up launch only: the modules' order otherwise
             down_sums_to_norm=grouped_gate_up and next_norm == "kernel+add" and view.down_groups[i] is not None,
         ))  # fmt: skip
-    return DecodePlan(tuple(plans), _norm_mode(view.norm, on_kernels, fuse))
+    return DecodePlan(tuple(plans), _norm_mode(view.norm, on_kernels))

@@ -102,7 +102,7 @@ class GroupedProjection:
     def split_sums(self, act: Activation) -> SplitSums | GroupedSplitSums | None:
         """The group's output left as its split-K partial sums, for a consumer that reduces them itself:
         one projection's for the fused residual add + RMSNorm (`residual.py`), q/k/v's for the RoPE +
-        KV-append launch (``EngineSettings.fused_qkv_reduce``); None where the launch cannot run, or for a
+        KV-append launch (`attention.KernelAttention.attend_sums`); None where the launch cannot run, or for a
         group whose launch does not split K (its outputs come in the model dtype with no reduction
         launch to save, and FP32 sums would only be more bytes to read)."""
         x = act.x

@@ -6,8 +6,8 @@ those adds are tiny launches, and so is the split-K reduction of the o / down pr
 produces them. On the kernel path a `FusedRMSNorm` (whose math, ``rmsnorm_reference``, is what
 ``kernels/triton_norm`` computes) runs as the engine's own launch: one kernel writes the normalized
 activation and its 1×128 FP8 quantization for the projection that reads it, handed over as an
-`Activation`. With ``fused_epilogues`` that launch also takes the pending add, as a tensor or as the
-projection's unreduced `SplitSums`: the reduction, the add, the norm and the quantization in one
+`Activation`. After the first layer's input norm, that launch also takes the pending add, as a tensor
+or as the projection's unreduced `SplitSums`: the reduction, the add, the norm and the quantization in one
 kernel (``add_rmsnorm_quant_fp8``), with the bits of the unfused order (reduce, round, add, norm).
 Anything else runs the module after a separate add.
 """

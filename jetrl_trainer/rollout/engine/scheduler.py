@@ -117,14 +117,14 @@ class SlotScheduler:
         rows = [(slot, s.tokens[-1] if s.tokens else 0, self.row_seed[s.index], len(s.tokens)) for slot, s in batch]
         return torch.tensor(rows, dtype=torch.long).t().to(self.device, non_blocking=True)
 
-    def run(self, start: Callable[[Batch], StepOutput], step: Callable[..., StepOutput], look_ahead: bool) -> None:
+    def run(self, start: Callable[[Batch], StepOutput], step: Callable[..., StepOutput]) -> None:
         """Until every sequence finished: start waiting ones in free slots, decode the running ones."""
         while self.pending or self.running:
             started = self._fill_free_slots()
             if started:
                 self._record(started, self._read(start(started)))
             if self.running:
-                self._decode_batch(step, look_ahead)
+                self._decode_batch(step)
 
     def _fill_free_slots(self) -> Batch:
         started = []
@@ -134,7 +134,7 @@ class SlotScheduler:
             started.append((slot, s))
         return started
 
-    def _decode_batch(self, step: Callable[..., StepOutput], look_ahead: bool) -> None:
+    def _decode_batch(self, step: Callable[..., StepOutput]) -> None:
         """Decode the running batch until one of its rows finishes. While the batch stays the same, step
         t + 1 is queued from step t's tokens on the device before the host waits for step t, so the
         host's bookkeeping hides behind GPU work; when a row finishes, the step already queued is
@@ -145,9 +145,6 @@ class SlotScheduler:
         out = step(slots, last, seeds, steps)
         while True:
             ticket = self.to_host.start(*out)
-            if not look_ahead:
-                self._record(batch, self.to_host.wait(ticket))
-                return
             steps = steps + 1
             ahead = step(slots, out[0], seeds, steps)
             if self._record(batch, self.to_host.wait(ticket)) or not self.running:

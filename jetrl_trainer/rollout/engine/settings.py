@@ -1,10 +1,12 @@
 """What a decode engine launches, chosen once when it is built: `EngineSettings`.
 
-Every field picks between ways of computing the same tokens (the same bits, except the attention
-order) or sets a kernel family's launch. The engine reads them in its constructor, where it builds
-the per-layer plan (`plan.py`); nothing changes them afterwards. A benchmark or a test that compares
-two choices builds two engines, ``EngineSettings(fused_epilogues=False)`` or
-``dataclasses.replace(settings, ...)``.
+The fields pick where the step runs (Triton kernels, graphed or eager, or the model's modules),
+the attention order the kernel reproduces, and the attention kernel's launch. The engine reads them
+in its constructor, where it builds the per-layer plan (`plan.py`); nothing changes them afterwards.
+A benchmark or a test that compares two choices builds two engines (``dataclasses.replace``).
+The kernel path's fusions (grouped projections, fused epilogues) and the generate loop's look-ahead
+are not settings: none measured slower than what it replaces (docs/history.md), and the separate
+launches run only where a fused one cannot (`plan.py`).
 """
 
 from __future__ import annotations
@@ -32,17 +34,6 @@ class EngineSettings:
             ``"kernels"``: the same launches, eager (probes); ``"torch"``: the model's modules and
             SDPA over each row's live KV (CPU, and the reference). None: ``"graphs"`` on CUDA with
             Triton, else ``"torch"``.
-        look_ahead: queue step t + 1 from step t's tokens on the device before the host reads step t,
-            so the host's bookkeeping hides behind GPU work (the same rollout as waiting after
-            every step).
-        grouped_projections: q/k/v and gate/up as one FP8 decode launch each over the modules' own
-            FP8 weights (``projections.py``); False calls the modules one by one.
-        fused_epilogues: each residual add, with the o / down projection's split-K sums, runs inside
-            the next fused RMSNorm launch, and the attention kernel writes the o projection's FP8
-            activation (``residual.py``; the same bits); False launches them separately.
-        fused_qkv_reduce: where the grouped q/k/v launch splits K, the RoPE + KV-append launch adds
-            its partial sums (``kernels/triton_rope_append.rope_append_from_partials``; the same
-            bits): one reduction launch fewer per layer.
         attention: launch settings of the split-KV decode attention kernel.
         attention_order: the SDPA backend whose summation order (tile size and tile order) the decode
             attention kernel reproduces (``attention.py``): ``CUDNN_ATTENTION`` or ``FLASH_ATTENTION``.
@@ -50,10 +41,6 @@ class EngineSettings:
     """
 
     decode_path: Optional[str] = None
-    look_ahead: bool = True
-    grouped_projections: bool = True
-    fused_epilogues: bool = True
-    fused_qkv_reduce: bool = True
     attention: DecodeAttentionSettings = field(default_factory=DecodeAttentionSettings)
     attention_order: Optional[SDPBackend] = None
 

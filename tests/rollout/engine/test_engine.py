@@ -149,26 +149,31 @@ def test_last_stats_count_the_batch_changes_and_time_the_call():
     assert 2 <= engine.last_stats["batch_changes"] <= len(PROMPTS) - 1  # rows leaving together change it once
 
 
-@pytest.mark.parametrize("slots", [None, 2])
-def test_look_ahead_step_changes_no_token_or_logprob(slots):
-    """Step t + 1 is queued before step t is read: rows that finish at t (EOS, budgets) drop its
-    token, the others keep it, and refilled slots start clean, so the rollout is the one of an
-    engine that waits after every step."""
-    model = build_tiny_qwen3(tokenizer()).eval()
-    config = _config(max_new_tokens=9, do_sample=True, temperature=1.0)
-    eos = [_eos_inside_the_batch(model, _config())]
-    prompts, budgets = PROMPTS * 2, [9, 3, 1, 7, 2, 9, 5, 4, 6, 8]
-    runs = []
-    for look_ahead in (True, False):
-        engine = DecodeEngine(model, settings=EngineSettings(look_ahead=look_ahead))
-        runs.append(engine.generate(prompts, config, eos_token_ids=eos, seed=3, pad_token_id=tokenizer().pad_token_id,
-                                    max_batch_size=slots, row_budgets=budgets))  # fmt: skip
-    (tokens, logprobs), (want_tokens, want_logprobs) = runs
-    assert tokens == want_tokens
-    for got, want in zip(logprobs, want_logprobs):  # a step's batch may hold a finished row: BLAS order by shape
-        assert torch.allclose(torch.tensor(got), torch.tensor(want), atol=1e-5, rtol=0)
-    assert any(len(t) < b for t, b in zip(tokens, budgets))  # an EOS stopped a row before its budget
-    assert all(len(t) <= b for t, b in zip(tokens, budgets))
+@pytest.mark.parametrize("slots", [10, 2, 1])
+def test_look_ahead_records_each_rows_tokens_up_to_its_eos_or_budget(slots):
+    """The scheduler queues step t + 1 from step t's tokens before it reads step t: a row that finishes
+    at t (EOS, budget) drops step t + 1's token, the others keep theirs, and a refilled slot starts
+    clean. A stand-in step draws each row's token from its seed, its step count and its last token,
+    so the rollout must be the one a loop that waits after every step records."""
+    from jetrl_trainer._hashing import M32, mix32
+    from jetrl_trainer.rollout.engine.scheduler import Seq, SlotScheduler
+
+    def step(seeds, steps, last):  # tokens in [0, 8) and their "log-probs"
+        tokens = mix32((seeds ^ (steps << 8) ^ last) & M32) % 8
+        return tokens, -tokens.double()
+
+    seqs, budgets = [Seq(i, prompt=i % 3) for i in range(10)], [9, 3, 1, 7, 2, 9, 5, 4, 6, 8]
+    scheduler = SlotScheduler(seqs, slots, eos={0}, budgets=budgets, seed=3, device=torch.device("cpu"))
+    start = lambda started: step(*scheduler.step_inputs(started)[[2, 3, 1]])  # noqa: E731
+    scheduler.run(start, lambda _slots, last, seeds, steps: step(seeds, steps, last))
+    for s in seqs:
+        want = []
+        while len(want) < budgets[s.index] and 0 not in want:
+            token, _ = step(torch.tensor(scheduler.row_seed[s.index]), torch.tensor(len(want)),
+                            torch.tensor(want[-1] if want else 0))  # fmt: skip
+            want.append(int(token))
+        assert s.tokens == want and s.logprobs == [-float(t) for t in want], s.index
+    assert any(len(s.tokens) < budgets[s.index] for s in seqs)  # an EOS stopped a row before its budget
 
 
 def test_each_distinct_prompt_is_prefilled_once(monkeypatch):

@@ -11,7 +11,7 @@ from torch.nn.attention import SDPBackend
 from jetrl_trainer.kernels.settings import DecodeAttentionSettings
 from jetrl_trainer.quant import quantize_model
 from jetrl_trainer.quant.fused import fuse_norm_and_swiglu
-from jetrl_trainer.rollout.engine import DecodeEngine, EngineSettings, LayerPlan
+from jetrl_trainer.rollout.engine import DecodeEngine, EngineSettings
 from jetrl_trainer.tiny import build_tiny_llama, build_tiny_qwen3
 
 FUSED = ("input_norm=kernel+add qkv=grouped+sums_to_rope qk_norms={qk} attention=kernel o=sums_to_norm "
@@ -32,11 +32,11 @@ def kernels_here(monkeypatch):
 
 def test_settings_are_frozen_and_refuse_unknown_choices():
     settings = EngineSettings()
-    assert settings.decode_path is None and settings.look_ahead and settings.fused_qkv_reduce
+    assert settings.decode_path is None and settings.attention_order is None
     assert settings.attention == DecodeAttentionSettings()
     with pytest.raises(dataclasses.FrozenInstanceError):
-        settings.fused_epilogues = False
-    assert not dataclasses.replace(settings, fused_epilogues=False).fused_epilogues
+        settings.decode_path = "torch"
+    assert dataclasses.replace(settings, decode_path="kernels").decode_path == "kernels"
     with pytest.raises(ValueError, match="decode_path must be one of graphs, kernels, torch; got 'cuda'"):
         EngineSettings(decode_path="cuda")
     with pytest.raises(ValueError, match="attention_order must be None or one of CUDNN_ATTENTION, FLASH_ATTENTION"):
@@ -48,8 +48,8 @@ def test_settings_are_frozen_and_refuse_unknown_choices():
 def test_the_decode_path_resolves_for_the_device_and_the_kernels_are_refused_off_cuda():
     model = build_tiny_qwen3(tokenizer()).eval()
     assert DecodeEngine(model).settings.decode_path == "torch"  # CPU
-    assert DecodeEngine(model, settings=EngineSettings(look_ahead=False)).settings == EngineSettings(
-        decode_path="torch", look_ahead=False)  # fmt: skip
+    flash = EngineSettings(attention_order=SDPBackend.FLASH_ATTENTION)
+    assert DecodeEngine(model, settings=flash).settings == dataclasses.replace(flash, decode_path="torch")
     for path in ("graphs", "kernels"):
         with pytest.raises(ValueError, match=f"decode_path='{path}' runs the engine's Triton kernels, which need CUDA"):
             DecodeEngine(model, settings=EngineSettings(decode_path=path))
@@ -80,19 +80,16 @@ def test_heads_of_128_let_the_attention_kernel_write_o_projections_fp8_input(ker
     assert {p.attention for p in plan.layers} == {"kernel+fp8"}
 
 
-def test_each_setting_takes_its_fusions_out_of_the_plan(kernels_here):
-    model = _fp8(build_tiny_qwen3, head_dim=128)
+def test_lora_wrapped_projections_run_their_own_calls(kernels_here):
+    """A LoRA layer adds adapters the grouped launch does not: q/k/v (q, v wrapped) run one by one and
+    reduce their own sums, down reduces its own; gate/up, unwrapped, keep their grouped launch."""
+    from peft import LoraConfig, get_peft_model
 
-    def layer(**switches) -> LayerPlan:
-        return DecodeEngine(model, settings=EngineSettings(decode_path="kernels", **switches)).plan.layers[0]
-
-    ungrouped = layer(grouped_projections=False)
-    assert not (ungrouped.grouped_qkv or ungrouped.qkv_sums_to_rope or ungrouped.grouped_gate_up)
-    assert not ungrouped.down_sums_to_norm and ungrouped.o_sums_to_norm  # down's sums only after grouped gate/up
-    unfused = layer(fused_epilogues=False)
-    assert (unfused.o_sums_to_norm, unfused.down_sums_to_norm, unfused.attention) == (False, False, "kernel")
-    assert unfused.post_attention_norm == "kernel"  # still the norm launch, with a separate add
-    assert not layer(fused_qkv_reduce=False).qkv_sums_to_rope and layer(fused_qkv_reduce=False).grouped_qkv
+    lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"])
+    model = _fp8(lambda tok, **kw: get_peft_model(build_tiny_qwen3(tok, head_dim=128), lora))
+    plan = DecodeEngine(model, settings=EngineSettings(decode_path="kernels")).plan.layers[0]
+    assert not (plan.grouped_qkv or plan.qkv_sums_to_rope or plan.down_sums_to_norm)
+    assert plan.grouped_gate_up and plan.o_sums_to_norm and plan.attention == "kernel+fp8"
 
 
 def test_models_without_the_fused_modules_plan_the_modules(kernels_here):
