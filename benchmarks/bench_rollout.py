@@ -37,7 +37,7 @@ from jetrl_trainer.kernels import available_gemm_backends, use_gemm_backend
 from jetrl_trainer.kernels.settings import DecodeGemmSettings
 from jetrl_trainer.quant import PrecisionPhases, QuantLinear, quantize_model
 from jetrl_trainer.quant.recipe import FP8Recipe
-from jetrl_trainer.rollout import generate_with_logprobs, left_pad, position_ids_from_mask
+from jetrl_trainer.rollout import HFGenerateBackend, left_pad, position_ids_from_mask
 from jetrl_trainer.rollout.engine import DecodeEngine, EngineSettings
 
 PROMPT, DISTINCT = 128, 8
@@ -98,6 +98,12 @@ def floor_fraction(model, fp8: bool, batch: int, new: int, seconds: float, gbs: 
     kv = kv_bytes_per_token(model) * ((d + 4) / (2 * d) if kv_fp8 else 1.0)  # FP8: 1 byte + a 4-byte scale per head
     per_step = weight_bytes(model, fp8) + batch * (PROMPT + new / 2) * kv
     return (new * per_step / (gbs * 1e9)) / seconds
+
+
+def hf_generate(model, ps, config) -> tuple[list[list[int]], list[list[float]]]:
+    """The ``hf`` backend's rollout: completions and their recorded log-probs."""
+    rollout = HFGenerateBackend(pad_token_id=0, eos_token_ids=[-1]).generate(model, ps, config)
+    return rollout.completion_ids, rollout.logprobs
 
 
 def set_train_recipe(model, recipe: str) -> None:
@@ -191,7 +197,7 @@ def run_case(
                 if kept:
                     fn()  # allocates the cache and captures the graphs; the timed rollout reuses them
             else:
-                fn = lambda: generate_with_logprobs(model, ps, config, pad_token_id=0, eos_token_ids=[-1])  # noqa: E731
+                fn = lambda: hf_generate(model, ps, config)  # noqa: E731
             (ids, lps), seconds, peak = timed(fn)
             if backend == "engine_kept":
                 engine.release_state()

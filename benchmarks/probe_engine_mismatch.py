@@ -25,14 +25,13 @@ import torch
 import torch.nn.functional as F
 from _common import bench_ms, dump, environment
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from bench_rollout import build_model, mismatch
+from bench_rollout import build_model, hf_generate, mismatch
 from transformers import GenerationConfig
 
 import jetrl_trainer.rollout.engine.attention as engine_attention
 from jetrl_trainer.kernels.settings import DecodeAttentionSettings
 from jetrl_trainer.quant import PrecisionPhases
 from jetrl_trainer.quant.fp8 import quantize_fp8_groups
-from jetrl_trainer.rollout import generate_with_logprobs
 from jetrl_trainer.rollout.engine import DecodeEngine, EngineSettings
 
 PROMPT = 128
@@ -168,7 +167,7 @@ def measure(model, ps, config, spec, args, backend) -> dict:
         with torch.no_grad(), PrecisionPhases(model).rollout(), backend():
             if spec is None:
                 torch.manual_seed(seed)
-                ids, lps = generate_with_logprobs(model, ps, config, pad_token_id=0, eos_token_ids=[-1])
+                ids, lps = hf_generate(model, ps, config)
             else:
                 aligned = unaligned_tiles() if spec.get("unaligned") else contextlib.nullcontext()
                 with patched_decode(spec.get("decode"), spec.get("kernel_attention")), aligned:

@@ -159,12 +159,7 @@ class FusedSwiGLUMLP(nn.Module):
         self._unfused: Optional[nn.Module] = None  # the module replaced (set by the swap; not a sub-module)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_from(self.gate_proj(x), self.up_proj(x))
-
-    def down_from(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        """The rest of the forward from the gate/up outputs (the decode engine computes those two
-        in one launch)."""
-        return self.down_proj(self.activation(gate, up))
+        return self.down_proj(self.activation(self.gate_proj(x), self.up_proj(x)))
 
     def activation(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up``, with its FP8 quantization offered to ``down_proj`` on CUDA."""

@@ -19,7 +19,7 @@ a backend records nothing, and the tests' check).
 
 from .base import ROLLOUT_BACKENDS, Rollout, RolloutBackend
 from .continuous import ContinuousBatchingBackend, generate_batch_with_logprobs
-from .hf_generate import HFGenerateBackend, generate_with_logprobs, left_pad, position_ids_from_mask, truncate_after_eos
+from .hf_generate import HFGenerateBackend, left_pad, position_ids_from_mask, truncate_after_eos
 from .sampling import SampledLogprobRecorder, processed_logprobs, sampling_warpers, split_sampling_config
 from .vllm_backend import VLLMBackend, VLLMSampling
 
@@ -31,7 +31,6 @@ __all__ = [
     "RolloutBackend",
     "SampledLogprobRecorder",
     "generate_batch_with_logprobs",
-    "generate_with_logprobs",
     "left_pad",
     "position_ids_from_mask",
     "processed_logprobs",

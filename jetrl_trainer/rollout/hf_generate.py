@@ -21,7 +21,7 @@ from transformers import GenerationConfig
 from .base import Rollout, RolloutBackend
 from .sampling import SampledLogprobRecorder, split_sampling_config
 
-__all__ = ["HFGenerateBackend", "generate_with_logprobs", "left_pad", "position_ids_from_mask", "truncate_after_eos"]
+__all__ = ["HFGenerateBackend", "left_pad", "position_ids_from_mask", "truncate_after_eos"]
 
 
 def left_pad(
@@ -55,29 +55,6 @@ def truncate_after_eos(
     lengths[has_eos] = is_eos.int().argmax(dim=1).cpu()[has_eos] + 1
     ids, lps = completion_ids.cpu().tolist(), logprobs.float().cpu().tolist()
     return [row[:n] for row, n in zip(ids, lengths.tolist())], [row[:n] for row, n in zip(lps, lengths.tolist())]
-
-
-@torch.no_grad()
-def generate_with_logprobs(
-    model: nn.Module,
-    prompt_ids: Sequence[Sequence[int]],
-    generation_config: GenerationConfig,
-    *,
-    pad_token_id: int,
-    eos_token_ids: Sequence[int],
-    pad_to_multiple_of: int | None = None,
-    device: torch.device | str | None = None,
-) -> tuple[list[list[int]], list[list[float]] | None]:
-    """Sample one completion per prompt; return completion ids and per-token sampling log-probs.
-
-    Both lists are cut after the first EOS. The log-probs are ``None`` where they cannot be
-    recorded (see `HFGenerateBackend`). Runs the model in its own precision phase: the caller
-    wraps it in ``PrecisionPhases(model).rollout()``.
-    """
-    rollout = HFGenerateBackend(
-        pad_token_id=pad_token_id, eos_token_ids=eos_token_ids, pad_to_multiple_of=pad_to_multiple_of, device=device
-    ).generate(model, prompt_ids, generation_config)
-    return rollout.completion_ids, rollout.logprobs
 
 
 class HFGenerateBackend(RolloutBackend):

@@ -17,9 +17,9 @@ from transformers import GenerationConfig
 
 from jetrl_trainer.quant import PrecisionPhases, count_quant_gemms, quantize_model
 from jetrl_trainer.rollout import (
+    HFGenerateBackend,
     SampledLogprobRecorder,
     generate_batch_with_logprobs,
-    generate_with_logprobs,
     left_pad,
     processed_logprobs,
     split_sampling_config,
@@ -49,6 +49,10 @@ def _gen_config(tok, max_new_tokens=10, **warp):
         max_new_tokens=max_new_tokens, do_sample=True, pad_token_id=tok.pad_token_id,
         eos_token_id=tok.eos_token_id, **{**WARP, **warp},
     )  # fmt: skip
+
+
+def _hf(tok) -> HFGenerateBackend:
+    return HFGenerateBackend(pad_token_id=tok.pad_token_id, eos_token_ids=[tok.eos_token_id])
 
 
 def _teacher_forced(model, prompts, completions, pad_token_id=0, **warp):
@@ -125,9 +129,8 @@ def test_generate_logprobs_match_teacher_forced_forward(tok, precision):
     prompts = [tok.encode("12+7="), tok.encode("3*45="), tok.encode("100-1="), tok.encode("9=")]  # ragged
     torch.manual_seed(1)
     with PrecisionPhases(model).rollout(), count_quant_gemms() as counts:
-        ids, lps = generate_with_logprobs(
-            model, prompts, _gen_config(tok), pad_token_id=tok.pad_token_id, eos_token_ids=[tok.eos_token_id]
-        )
+        rollout = _hf(tok).generate(model, prompts, _gen_config(tok))
+        ids, lps = rollout.completion_ids, rollout.logprobs
     if precision != "none":
         assert set(counts) == {("rollout", precision)}
     assert [len(x) for x in ids] == [len(x) for x in lps] and all(len(x) > 0 for x in ids)
@@ -146,9 +149,7 @@ def test_generate_logprobs_match_teacher_forced_forward(tok, precision):
 def test_top_k_one_is_greedy_with_zero_logprob(tok):
     model = _model(tok, "none")
     prompts = [tok.encode("7-2=")]
-    _, lps = generate_with_logprobs(
-        model, prompts, _gen_config(tok, top_k=1), pad_token_id=tok.pad_token_id, eos_token_ids=[tok.eos_token_id]
-    )
+    lps = _hf(tok).generate(model, prompts, _gen_config(tok, top_k=1)).logprobs
     assert lps[0] == pytest.approx([0.0] * len(lps[0]), abs=1e-6)
 
 

@@ -69,13 +69,6 @@ class KVCache:
             if scales is not None:
                 scales[index] = s
 
-    def _put(self, index: tuple, k: Tensor, v: Tensor) -> None:
-        self._write(index, self.encode(k), self.encode(v))
-
-    def store_prompt(self, layer: int, slot: int, k: Tensor, v: Tensor) -> None:
-        """Place a prompt's ``(kv_heads, n, head_dim)`` keys/values at the start of ``slot``."""
-        self._put((layer, slot, slice(None), slice(0, k.shape[1])), k, v)
-
     def store_encoded(
         self, slots: Tensor, k: tuple[Tensor, Tensor | None], v: tuple[Tensor, Tensor | None], *, row: int,
         length: int, pad: int = 0,
@@ -95,7 +88,7 @@ class KVCache:
 
     def append(self, layer: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
         """Write one new token per row (``k``, ``v``: ``(B, kv_heads, head_dim)``) at ``lengths[slots]``."""
-        self._put((layer, slots, slice(None), self.lengths[slots]), k, v)
+        self._write((layer, slots, slice(None), self.lengths[slots]), self.encode(k), self.encode(v))
 
     def read(self, layer: int, slots: Tensor) -> tuple[Tensor, Tensor]:
         """The rows' keys and values ``(B, kv_heads, max_len, head_dim)`` in the model dtype."""

@@ -119,7 +119,7 @@ class GroupedProjection:
         if len(self.modules) > 1:
             parts = module.fp8_decode_gemm_grouped_partials(*pair, weights, settings=settings)
             biases = [m.bias for m in self.modules] if self.modules[0].bias is not None else None
-            return GroupedSplitSums(parts, biases, widths, x.dtype)
+            return GroupedSplitSums(parts, biases)
         parts = module.fp8_decode_gemm_partials(*pair, *weights[0], settings=settings)
         return SplitSums(parts, self.modules[0].bias, (*x.shape[:-1], parts.shape[-1]), x.dtype)
 
@@ -170,8 +170,11 @@ class SplitSums:
     dtype: torch.dtype  # the output's dtype
 
     def materialize(self) -> Tensor:
-        """The output itself: the splits added in order (+ bias) and rounded once, as the GEMM's reduction."""
-        acc = _split_order_sum(self.parts)
+        """The output itself: the splits added in split order in FP32 (+ bias) and rounded once, as the
+        GEMM's reduction."""
+        acc = self.parts[0].clone()
+        for part in self.parts[1:]:
+            acc += part
         if self.bias is not None:
             acc += self.bias.float()
         return acc.to(self.dtype).view(self.shape)
@@ -179,25 +182,8 @@ class SplitSums:
 
 @dataclass
 class GroupedSplitSums:
-    """A grouped decode GEMM's outputs as FP32 partial sums ``[S, M, sum(widths)]``, the projections'
-    columns side by side, not yet reduced (plus their biases)."""
+    """A grouped decode GEMM's outputs as FP32 partial sums ``[S, M, N_q + N_k + N_v]``, the projections'
+    columns side by side, not yet reduced (plus their biases), for the RoPE + KV-append launch."""
 
     parts: Tensor
     biases: list[Tensor] | None
-    widths: list[int]
-    dtype: torch.dtype  # the outputs' dtype
-
-    def materialize(self) -> list[Tensor]:
-        """The outputs ``[M, width]``: the splits added in order (+ bias) and rounded once, as the GEMM's reduction."""
-        outs = list(_split_order_sum(self.parts).split(self.widths, dim=-1))
-        if self.biases is not None:
-            outs = [out + bias.float() for out, bias in zip(outs, self.biases)]
-        return [out.to(self.dtype) for out in outs]
-
-
-def _split_order_sum(parts: Tensor) -> Tensor:
-    """``parts[0] + parts[1] + ...`` in FP32, added in split order as the GEMM's reduction adds them."""
-    acc = parts[0].clone()
-    for part in parts[1:]:
-        acc += part
-    return acc

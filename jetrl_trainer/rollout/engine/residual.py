@@ -56,11 +56,6 @@ class ResidualStream:
         )  # fmt: skip
         return _quantized(y.view(*self.h.shape[:-1], y.shape[-1]), q, s, fp8_format)
 
-    def value(self) -> Tensor:
-        """``h`` with every add applied."""
-        self._flush()
-        return self.h
-
     def _add_norm(self, module: nn.Module, delta: Tensor | SplitSums, fp8_format: Optional[str]) -> Activation:
         """``h = h + delta`` and ``module(h)`` in one launch (``delta``'s split sums reduced in it)."""
         shape = self.h.shape

@@ -486,8 +486,6 @@ def test_unified_mismatch_on_an_8b_shaped_model_is_no_larger_than_with_generate(
     from torch.nn.attention import SDPBackend
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from jetrl_trainer.rollout import generate_with_logprobs
-
     config = Qwen3Config(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
                          num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False,
                          max_position_embeddings=4096, dtype=torch.bfloat16)  # fmt: skip
@@ -518,7 +516,8 @@ def test_unified_mismatch_on_an_8b_shaped_model_is_no_larger_than_with_generate(
                 with PrecisionPhases(model).rollout():
                     if name == "generate":
                         torch.manual_seed(seed)
-                        out = generate_with_logprobs(model, prompts, sampling, pad_token_id=0, eos_token_ids=[-1])
+                        rollout = HFGenerateBackend(pad_token_id=0, eos_token_ids=[-1]).generate(model, prompts, sampling)
+                        out = rollout.completion_ids, rollout.logprobs
                     else:
                         order = SDPBackend.FLASH_ATTENTION if name == "engine_flash_order" else None
                         engine = DecodeEngine(model, settings=EngineSettings(attention_order=order))

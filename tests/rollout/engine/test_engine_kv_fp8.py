@@ -29,8 +29,9 @@ def test_fp8_cache_stores_the_reference_quantization_and_reads_it_back():
     g = torch.Generator().manual_seed(0)
     cache = _cache(True)
     prompt_k, prompt_v = torch.randn(2, 5, 16, generator=g) * 3, torch.randn(2, 5, 16, generator=g)
-    cache.store_prompt(1, 2, prompt_k, prompt_v)
-    cache.lengths[[0, 2]] = torch.tensor([0, 5])
+    stacked = [cache.encode(x.expand(2, 1, *x.shape)) for x in (prompt_k, prompt_v)]  # (layers, N, H_kv, P, D)
+    cache.store_encoded(torch.tensor([2]), *stacked, row=0, length=5)
+    cache.lengths[0] = 0
     new_k, new_v = torch.randn(2, 2, 16, generator=g), torch.randn(2, 2, 16, generator=g)
     cache.append(1, torch.tensor([0, 2]), new_k, new_v)
     k, v = cache.read(1, torch.tensor([2, 0]))
@@ -116,7 +117,7 @@ def test_rope_append_quantizes_as_the_reference_and_attention_reads_it(dtype):
                     device=torch.device("cuda"), fp8=True)  # fmt: skip
     full = torch.randn(S, H_kv, T, D, generator=g).to("cuda", dtype)
     for s in range(S):  # live history in every slot, quantized by the host path
-        cache.store_prompt(0, s, full[s], full[s])
+        cache.store_encoded(torch.tensor([s], device="cuda"), *[cache.encode(full[s][None, None])] * 2, row=0, length=T)
     scales = dict(k_scale=cache.k_scale[0], v_scale=cache.v_scale[0])
     q_rot = rope_append(q[:, 0], k[:, 0], v[:, 0], cos[:, 0], sin[:, 0], cache.k[0], cache.v[0], slots, positions,
                         **scales)  # fmt: skip
