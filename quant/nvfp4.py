@@ -82,9 +82,6 @@ class NVFP4Tensor:
     outer_scale: torch.Tensor
     shape: tuple[int, ...]
 
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return dequantize_nvfp4(self, dtype)
-
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The three storage tensors (e.g. for ``ctx.save_for_backward``)."""
         return self.data, self.block_scale, self.outer_scale

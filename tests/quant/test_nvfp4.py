@@ -69,7 +69,7 @@ def test_four_over_six_keeps_six_when_it_is_closer_or_tied():
 def test_four_over_six_lowers_error_on_random_data():
     torch.manual_seed(0)
     x = torch.randn(64, 256)
-    err = {f: (quantize_nvfp4(x, four_over_six=f).dequantize() - x).pow(2).sum() for f in (True, False)}
+    err = {f: (dequantize_nvfp4(quantize_nvfp4(x, four_over_six=f)) - x).pow(2).sum() for f in (True, False)}
     assert err[True] < err[False]
 
 
@@ -82,8 +82,8 @@ def test_per_token_outer_scale_is_batch_invariant():
     alone = quantize_nvfp4(big, outer="token")
     assert torch.equal(alone.data[0], t.data[2]) and torch.equal(alone.outer_scale[0], t.outer_scale[2])
     # A per-tensor outer scale is not: the same row quantizes differently next to a large row.
-    per_tensor = quantize_nvfp4(x, outer="tensor").dequantize()[2]
-    assert not torch.equal(quantize_nvfp4(big, outer="tensor").dequantize()[0], per_tensor)
+    per_tensor = dequantize_nvfp4(quantize_nvfp4(x, outer="tensor"))[2]
+    assert not torch.equal(dequantize_nvfp4(quantize_nvfp4(big, outer="tensor"))[0], per_tensor)
 
 
 def test_ragged_k_pads_with_exact_zeros():
