@@ -105,7 +105,7 @@ def test_a_fused_norm_hands_its_quantization_to_the_next_quantlinear_on_gpu(monk
     from jetrl_trainer.quant.reference import rmsnorm_reference
 
     torch.manual_seed(0)
-    layer = QuantLinear(512, 256, bias=False).to("cuda", torch.bfloat16)  # rows > DECODE_MAX_M: the general path
+    layer = QuantLinear(512, 256, bias=False).to("cuda", torch.bfloat16)  # rows above the recipe's decode_gemm.max_m: the general path
     weight = nn.Parameter(torch.rand(512, device="cuda", dtype=torch.bfloat16) + 0.5)
     norm = FusedRMSNorm(weight, 1e-6, layer)
     x = torch.randn(2, 65, 512, device="cuda", dtype=torch.bfloat16)
