@@ -24,10 +24,12 @@ def _fp8(build, **overrides):
 
 @pytest.fixture
 def kernels_here(monkeypatch):
-    """The kernel path allowed on CPU (its plan needs no launch)."""
-    from jetrl_trainer.rollout.engine import engine
+    """The kernel path allowed on CPU, with the norm and SwiGLU kernels counted as loaded (a plan needs
+    no launch, and CI's core suite runs without Triton)."""
+    from jetrl_trainer.rollout.engine import engine, plan
 
     monkeypatch.setattr(engine, "cuda_graphs_available", lambda device: True)
+    monkeypatch.setattr(plan, "_kernel_loaded", lambda name: True)
 
 
 def test_settings_are_frozen_and_refuse_unknown_choices():
