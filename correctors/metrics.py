@@ -15,6 +15,8 @@ Conventions (samples are drawn from the rollout policy μ; π is the training po
   token-level ratios over n tokens (independent of the corrector's level). r is capped as in
   :data:`~jetrl_trainer.correctors.ratios.MAX_LOG_RATIO`.
 * ``mismatch/nonfinite_tokens`` — masked-in tokens with a NaN/Inf log-prob (excluded above).
+* ``mismatch/logp_bits_equal_share`` — the share of valid tokens whose two log-probs are equal
+  (``log r`` exactly 0): 1 under the exact on-policy contract (``exact_logprobs``).
 
 Every figure is a function of the sums in :func:`mismatch_sums` (and the corrector's own sums),
 so a trainer running on several processes reduces the sums — each key by :func:`reduce_op`:
@@ -52,7 +54,7 @@ __all__ = [
 # Every sum key the built-in correctors emit, by the reduction it needs. ``reduce_op`` applies
 # the same rule to any key (also a custom corrector's) from its suffix.
 SUM_KEYS = frozenset({
-    "n_tokens", "nonfinite_tokens", "abs_diff_sum", "log_ratio_sum", "k3_sum", "ratio_sum",
+    "n_tokens", "nonfinite_tokens", "equal_tokens", "abs_diff_sum", "log_ratio_sum", "k3_sum", "ratio_sum",
     "ratio_sq_sum", "weight_sum", "clipped_tokens", "masked_tokens",
     "n_batches", "alpha_sum", "alpha_ess_sum", "alpha_mis_sum", "alpha_var_sum",
 })  # fmt: skip
@@ -67,6 +69,7 @@ MISMATCH_METRICS = (
     "mismatch/ppl_ratio",
     "mismatch/ess_ratio",
     "mismatch/nonfinite_tokens",
+    "mismatch/logp_bits_equal_share",
 )
 
 # The corrector's per-batch gates are averaged over batches (one batch per process per call).
@@ -118,6 +121,7 @@ def batch_mismatch_sums(batch: PreparedBatch) -> dict[str, Tensor]:
     return {
         "n_tokens": v.sum(),
         "nonfinite_tokens": batch.nonfinite.to(lr.dtype).sum(),
+        "equal_tokens": (valid & (lr == 0)).to(lr.dtype).sum(),
         "abs_diff_sum": abs_diff.sum(),
         "abs_diff_max": _masked_max(abs_diff, valid, 0.0),
         "log_ratio_sum": lr.sum(),
@@ -131,7 +135,7 @@ def batch_mismatch_sums(batch: PreparedBatch) -> dict[str, Tensor]:
 def mismatch_sums(train_logps: Tensor, rollout_logps: Tensor, mask: Tensor) -> dict[str, Tensor]:
     """Additive sufficient statistics of the mismatch block (0-d tensors, no host sync).
 
-    Keys: ``n_tokens``, ``nonfinite_tokens``, ``abs_diff_sum``, ``abs_diff_max``,
+    Keys: ``n_tokens``, ``nonfinite_tokens``, ``equal_tokens``, ``abs_diff_sum``, ``abs_diff_max``,
     ``log_ratio_sum``, ``k3_sum``, ``ratio_sum``, ``ratio_sq_sum``. Reduce each across processes
     with :func:`reduce_op` (``abs_diff_max`` by max, the rest by sum), then call
     :func:`metrics_from_sums`.
@@ -177,6 +181,7 @@ def metric_tensors_from_sums(sums: Mapping[str, Tensor]) -> dict[str, Tensor]:
             has & (r_sq > 0), r_sum.square() / (n * r_sq).clamp_min(torch.finfo(n.dtype).tiny), zero
         ),
         "mismatch/nonfinite_tokens": sums["nonfinite_tokens"].to(n.dtype),
+        "mismatch/logp_bits_equal_share": _per_token(sums["equal_tokens"], n),
     }
     out.update(_corrector_tensors(sums, n))
     return out

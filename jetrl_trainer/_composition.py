@@ -12,7 +12,7 @@ from jetrl_trainer.compiled_forward import CompiledBackbone, compile_unavailable
 from jetrl_trainer.rollout import ContinuousBatchingBackend, HFGenerateBackend, RolloutBackend
 from jetrl_trainer.scoring import AutoregressiveScorer, PolicyScorer
 
-__all__ = ["build_policy_scorer", "build_rollout_backend", "resolve_rollout_backend"]
+__all__ = ["build_policy_scorer", "build_rollout_backend", "resolve_exact_logprobs", "resolve_rollout_backend"]
 
 logger = logging.getLogger("jetrl_trainer")
 
@@ -51,6 +51,33 @@ def resolve_rollout_backend(
         return "engine", "the decode engine on CUDA (falls back to 'hf' for what it does not support, logged)"
     return "hf", "transformers generate off CUDA (the engine's CPU path is plain torch, for checking; " \
                  "rollout_backend='engine' opts in)"
+
+
+def resolve_exact_logprobs(args: Any, model: Any, *, diffusion: bool, cuda: bool) -> tuple[bool, str]:
+    """Whether the trainer runs under the exact on-policy contract (``exact_logprobs``), and why.
+
+    ``True`` was checked against the settings by the config; here only the model can still refuse it.
+    ``None`` turns it on where it applies and the engine decodes on CPU. On CUDA the exact decode runs
+    the engine's plain-torch path, not its kernels (docs/performance.md has the measured cost), so
+    ``None`` leaves it off there."""
+    from jetrl_trainer.rollout.engine import unsupported_model_reason
+
+    if args.exact_logprobs is False:
+        return False, "exact_logprobs=False"
+    unmet = "the model is a diffusion LM, which the engine does not decode" if diffusion else args.exact_unmet()
+    if unmet is None:
+        reason = unsupported_model_reason(model)
+        unmet = f"the decode engine cannot run this model ({reason})" if reason is not None else None
+    if args.exact_logprobs:
+        if unmet is not None:
+            raise ValueError(f"exact_logprobs=True: {unmet}; or set exact_logprobs=None to use it where it applies.")
+        return True, "exact_logprobs=True"
+    if unmet is not None:
+        return False, unmet
+    if cuda:
+        return False, ("on CUDA the exact decode runs the engine's plain-torch path instead of its kernels; "
+                       "exact_logprobs=True opts in")  # fmt: skip
+    return True, "the unified flow with the engine (exact_logprobs=None)"
 
 
 def build_rollout_backend(trainer: Any, *, diffusion: bool) -> tuple[RolloutBackend, Any]:
@@ -93,7 +120,8 @@ def build_rollout_backend(trainer: Any, *, diffusion: bool) -> tuple[RolloutBack
             eos_token_ids=trainer.eos_token_ids, pad_token_id=tokenizer.pad_token_id, fallback=backend,
             kv_cache_tokens=args.rollout_kv_cache_tokens, kv_cache_dtype=args.rollout_kv_cache_dtype,
             requested=args.rollout_backend, keep_state=args.rollout_keep_engine_state,
-            pad_to_multiple_of=trainer.pad_to_multiple_of,
+            pad_to_multiple_of=trainer.pad_to_multiple_of, exact=trainer.exact_logprobs,
+            autocast=trainer.accelerator.autocast,
         )  # fmt: skip
     return backend, trainer.generation_config
 
@@ -103,7 +131,7 @@ def build_policy_scorer(trainer: Any, *, diffusion: bool, trl_token_logps: Any) 
     args = trainer.args
     if not diffusion:
         return AutoregressiveScorer(trl_token_logps, _sampling_config(trainer), trainer.accelerator.autocast,
-                                    compiled=_compiled_backbone(trainer))  # fmt: skip
+                                    compiled=_compiled_backbone(trainer), exact=trainer.exact_logprobs)  # fmt: skip
     if args.compile_policy_forward:
         logger.warning("compile_policy_forward: not implemented for diffusion LMs; the policy's forward runs eagerly.")
     from jetrl_trainer.diffusion.scoring import DiffusionScorer

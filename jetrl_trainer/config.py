@@ -150,6 +150,17 @@ class JetGRPOConfig(GRPOConfig):
             captures. The graphs read the weights in place, so they decode with each step's weights. Costs
             that memory through training: the cache (slots x (longest prompt + `max_completion_length`),
             rounded up to 128 positions, x 2 x layers x KV heads x head dim x 2 bytes) and the graphs' pool.
+        exact_logprobs (`bool`, *optional*):
+            The exact on-policy contract: the engine's recorded log-probs are the training forward's, bit for
+            bit (both phases run the batch-invariant ops of `jetrl_trainer.exact`), so the trainer uses them
+            as the old log-probs and skips that no-grad forward. Needs the unified flow (`train_precision ==
+            rollout_precision`), `rollout_backend="engine"`, temperature-only sampling, the model-dtype KV cache
+            and no `compile_policy_forward`. `None`: on where all of that holds and the engine decodes on CPU;
+            off on CUDA, where the exact decode does not run the engine's kernels yet (docs/trainer.md).
+        exact_check_every (`int`, *optional*, defaults to `10`):
+            With exact log-probs: every N-th generation batch also runs the training forward, compares and logs
+            `mismatch/logp_abs_diff_max` (0 when the contract holds) and `mismatch/logp_bits_equal_share`, and
+            warns if any token differs. 0 never checks.
         compile_policy_forward (`bool`, *optional*, defaults to `False`):
             `torch.compile` the policy's decoder layers for the train-phase log-prob forwards (the loss, the
             old and reference log-probs), not for rollouts. Falls back to eager, reason logged, under
@@ -341,6 +352,25 @@ class JetGRPOConfig(GRPOConfig):
             "max_completion_length) rounded up to 128, x 2 x layers x KV heads x head dim x 2 bytes) and the graph pool."
         },
     )
+    exact_logprobs: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Exact on-policy log-probs: the engine's recorded log-probs equal the training forward's bit for "
+            "bit (both phases run jetrl_trainer.exact's batch-invariant ops) and serve as the old log-probs, so "
+            "that no-grad forward is skipped. Needs train_precision == rollout_precision, rollout_backend='engine', "
+            "temperature-only sampling, rollout_kv_cache_dtype='auto' and no compile_policy_forward. None: on where "
+            "all that holds and the engine decodes on CPU; off on CUDA, where the exact decode does not run the "
+            "engine's kernels yet."
+        },
+    )
+    exact_check_every: int = field(
+        default=10,
+        metadata={
+            "help": "With exact log-probs: every N-th generation batch also runs the training forward and logs "
+            "mismatch/logp_abs_diff_max (0 when the contract holds) and mismatch/logp_bits_equal_share, warning if "
+            "any token differs. 0 never checks."
+        },
+    )
     compile_policy_forward: bool = field(
         default=False,
         metadata={
@@ -455,6 +485,7 @@ class JetGRPOConfig(GRPOConfig):
         self._check_corrector()
         self._check_kv_cache_dtype()
         self._check_sampling()
+        self._check_exact()
         limit = self.max_nonfinite_reward_batches
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
             raise ValueError(f"max_nonfinite_reward_batches must be a positive integer, or None to never stop; got {limit!r}.")
@@ -651,6 +682,36 @@ class JetGRPOConfig(GRPOConfig):
             split_sampling_config(config)
         except ValueError as err:
             raise ValueError(f"generation_kwargs: {err}") from err
+
+    # ------------------------------------------------------------------ exact on-policy log-probs
+
+    def exact_unmet(self) -> str | None:
+        """Why these settings cannot give exact log-probs (the setting to change), or None when they can."""
+        if self.train_precision != self.rollout_precision:
+            return (f"it needs the unified flow, train_precision == rollout_precision (got {self.train_precision!r} "
+                    f"and {self.rollout_precision!r})")  # fmt: skip
+        if self.rollout_backend != "engine":
+            return (f"only the decode engine records the training forward's bits: set rollout_backend='engine' "
+                    f"(got {self.rollout_backend!r})")  # fmt: skip
+        if self.rollout_kv_cache_dtype == "fp8":
+            return "the FP8 KV cache departs from the training forward: set rollout_kv_cache_dtype='auto'"
+        if self.compile_policy_forward:
+            return "a compiled training forward fuses its own kernels: set compile_policy_forward=False"
+        kwargs = dict(self.generation_kwargs or {})
+        warped = {name: kwargs.get(name, getattr(self, name)) for name in ("top_k", "top_p", "min_p")}
+        if (warped["top_k"] or 0) > 0 or (warped["top_p"] is not None and warped["top_p"] < 1.0) or warped["min_p"]:
+            return (f"the loss scores the temperature-only distribution, and these sampling settings truncate it "
+                    f"({warped}): leave top_k, top_p and min_p unset")  # fmt: skip
+        return None
+
+    def _check_exact(self) -> None:
+        if isinstance(self.exact_check_every, bool) or not isinstance(self.exact_check_every, int) \
+                or self.exact_check_every < 0:  # fmt: skip
+            raise ValueError(f"exact_check_every must be an integer >= 0 (0: never check); got {self.exact_check_every!r}.")
+        if self.exact_logprobs:
+            unmet = self.exact_unmet()
+            if unmet is not None:
+                raise ValueError(f"exact_logprobs=True: {unmet}; or set exact_logprobs=None to use it where it applies.")
 
     # ------------------------------------------------------------------ diffusion LMs
 

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from transformers import GenerationConfig
 
 from jetrl_trainer.compiled_forward import CompiledBackbone
+from jetrl_trainer.exact import training_logprobs
 from jetrl_trainer.quant import PrecisionPhases
 from jetrl_trainer.rollout import position_ids_from_mask, processed_logprobs
 
@@ -120,9 +121,13 @@ class AutoregressiveScorer(PolicyScorer):
         generation_config: GenerationConfig,
         autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
         compiled: CompiledBackbone | None = None,
+        exact: bool = False,
     ) -> None:
         self._trl_token_logps = trl_token_logps
         self.compiled = compiled  # compile_policy_forward: the policy's train-phase forwards, compiled
+        # exact_logprobs: the training forward under the exact contract (jetrl_trainer.exact), whose
+        # log-probs are the engine's recorded bits; TRL's fused LM head computes other bits.
+        self.exact = exact
         self._warp = dict(
             temperature=generation_config.temperature or 1.0,
             top_k=generation_config.top_k or 0,
@@ -133,6 +138,12 @@ class AutoregressiveScorer(PolicyScorer):
 
     def token_logps(self, model, input_ids, attention_mask, logits_to_keep, slices, **options):
         with generation_positions(model):
+            if self.exact:
+                return training_logprobs(
+                    model, input_ids, attention_mask, logits_to_keep, temperature=self._warp["temperature"],
+                    batch_size=options.get("batch_size"), compute_entropy=options.get("compute_entropy", False),
+                    autocast=self._autocast,
+                )  # fmt: skip
             if self.compiled is None or not self.compiled.applies_to(model):
                 return self._trl_token_logps(model, input_ids, attention_mask, logits_to_keep, **options)
             # Right-padded to a static length; the padded tokens' log-probs (the last ones) are dropped.

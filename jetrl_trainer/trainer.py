@@ -53,7 +53,7 @@ from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing, unwrap_model_for_generation
 
 import jetrl_trainer.diffusion  # noqa: F401  (registers model_type "llada", so LLaDA ids load)
-from jetrl_trainer._composition import build_policy_scorer, build_rollout_backend, logger
+from jetrl_trainer._composition import build_policy_scorer, build_rollout_backend, logger, resolve_exact_logprobs
 from jetrl_trainer._dist import all_reduce_sums, any_across_processes
 from jetrl_trainer._guard import NonFiniteGuard
 from jetrl_trainer._inputs import check_datasets, check_diffusion_fields
@@ -63,6 +63,7 @@ from jetrl_trainer.config import JetGRPOConfig
 from jetrl_trainer.correctors import get_corrector, merge_sums, metrics_from_sums
 from jetrl_trainer.diffusion import is_diffusion_model
 from jetrl_trainer.diffusion.lora import check_lora_targets, resolve_lora_preset
+from jetrl_trainer.exact import ExactOps
 from jetrl_trainer.hub import update_model_card
 from jetrl_trainer.quant import PrecisionPhases, WeightCacheRefresh, quantize_model
 from jetrl_trainer.rollout import Rollout, VLLMSampling
@@ -133,6 +134,12 @@ class JetGRPOTrainer(GRPOTrainer):
         self.corrector = get_corrector(args.corrector, **params)
         self._quantize_models()
         self.precision_phases = PrecisionPhases(self.model)
+        self.exact_logprobs, why = resolve_exact_logprobs(
+            args, self.accelerator.unwrap_model(self.model), diffusion=diffusion,
+            cuda=self.accelerator.device.type == "cuda",
+        )  # fmt: skip
+        logger.info("jetrl: exact on-policy log-probs %s (%s)", "on" if self.exact_logprobs else "off", why)
+        self._generation_batches = 0  # counts the exact contract's checks (exact_check_every)
         self.weight_cache_refresh: WeightCacheRefresh | None = None  # see _follow_optimizer
         self._ref_cache_refresh: WeightCacheRefresh | None = None
         self.rollout_backend, self.rollout_sampling = build_rollout_backend(self, diffusion=diffusion)
@@ -168,7 +175,7 @@ class JetGRPOTrainer(GRPOTrainer):
     @property
     def _needs_train_logps(self) -> bool:
         a = self.args
-        return a.corrector_active or a.train_precision != a.rollout_precision or a.log_mismatch
+        return self.exact_logprobs or a.corrector_active or a.train_precision != a.rollout_precision or a.log_mismatch
 
     # ------------------------------------------------------------------ rollout (TRL hook)
 
@@ -223,18 +230,46 @@ class JetGRPOTrainer(GRPOTrainer):
         """Sampling and old log-probs of every slice, corrector weights and mismatch sums (in place)."""
         sampling = batch.get("sampling_per_token_logps")
         sampling = self._score(batch, "rollout") if sampling is None else self._as_slices(sampling)
-        train = batch.get("old_per_token_logps")  # TRL skips it when it equals the loss's own forward
-        train = self._score(batch, "train") if train is None else self._as_slices(train)
+        checked = True
+        if self.exact_logprobs:  # the recorded log-probs are the training forward's bits: no forward needed
+            checked = self._exact_check_due()
+            train = self._checked_exact(batch, sampling) if checked else sampling
+        else:
+            train = batch.get("old_per_token_logps")  # TRL skips it when it equals the loss's own forward
+            train = self._score(batch, "train") if train is None else self._as_slices(train)
         batch["sampling_per_token_logps"] = self._from_slices(sampling)
         batch["old_per_token_logps"] = self._from_slices(train)
         mask = batch["completion_mask"] if "tool_mask" not in batch else batch["completion_mask"] * batch["tool_mask"]
         weights = []
         for k in range(sampling.shape[1]):
             correction = self.corrector(train[:, k], sampling[:, k], mask, batch["advantages"])
-            self._add_sums(mode, correction.sums)
+            if checked:  # unchecked exact batches compared nothing: no mismatch figures for them
+                self._add_sums(mode, correction.sums)
             weights.append(correction.weights.to(sampling.dtype))
         if self.args.corrector_active:
             batch["importance_sampling_ratio"] = self._from_slices(torch.stack(weights, dim=1))
+
+    def _exact_check_due(self) -> bool:
+        """Whether this generation batch checks the exact contract (every ``exact_check_every``-th, the first included)."""
+        every, count = self.args.exact_check_every, self._generation_batches
+        self._generation_batches += 1
+        return every > 0 and count % every == 0
+
+    def _checked_exact(self, batch: dict[str, Any], sampling: Tensor) -> Tensor:
+        """The training forward's log-probs of the batch (no grad), compared with the recorded ones: a
+        warning names the largest difference if any token's bits differ. These are the old log-probs then."""
+        train = self._score(batch, "train")
+        mask = batch["completion_mask"].bool()[:, None].expand_as(train)
+        differ = (train != sampling) & mask
+        if bool(differ.any()):
+            largest = float((train - sampling).abs()[differ].max())
+            logger.warning(
+                "jetrl: exact_logprobs: %d of %d completion tokens' recorded log-probs differ from the training "
+                "forward's (largest |dlogp| %.3g); the contract broke (a forward hook, another attention, another "
+                "device?). docs/trainer.md#exact-on-policy-log-probs lists what breaks it.",
+                int(differ.sum()), int(mask.sum()), largest,
+            )  # fmt: skip
+        return train
 
     def _score(self, batch: dict[str, Any], phase: str) -> Tensor:
         """The scorer's log-probs ``(B, K, T)`` of a generated batch in ``phase``, no grad."""
@@ -309,7 +344,9 @@ class JetGRPOTrainer(GRPOTrainer):
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         self._follow_optimizer()
-        loss = super().training_step(model, inputs, num_items_in_batch)
+        # Exact log-probs: the backward under ExactOps too, where gradient checkpointing recomputes the forward.
+        with ExactOps.entered(self.exact_logprobs):
+            loss = super().training_step(model, inputs, num_items_in_batch)
         self._guard.observe_loss(loss)
         return loss
 

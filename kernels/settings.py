@@ -10,6 +10,8 @@ float8 modules each hold their config.
 * :class:`DecodeAttentionSettings`: held by the decode engine (``rollout/engine``).
 * :class:`TritonGemmSettings`: the portable Triton GEMM backend's tiles, an argument of
   ``triton_fp8_gemm_nt`` (the GEMM registry calls it with the defaults).
+* :class:`InvariantMatmulSettings`: the batch-invariant matmul's tiles, held by
+  ``jetrl_trainer.exact`` (one object for both phases: its tiles are part of the exact contract).
 
 A benchmark that compares two settings builds two objects (``dataclasses.replace``). Pure Python:
 importing this module imports no Triton.
@@ -19,7 +21,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["DecodeAttentionSettings", "DecodeGemmSettings", "QuantKernelSettings", "TritonGemmSettings"]
+__all__ = [
+    "DecodeAttentionSettings",
+    "DecodeGemmSettings",
+    "InvariantMatmulSettings",
+    "QuantKernelSettings",
+    "TritonGemmSettings",
+]
 
 
 def _positive(owner: object, *names: str) -> None:
@@ -144,3 +152,26 @@ class TritonGemmSettings:
 
     def __post_init__(self) -> None:
         _positive(self, "block_m", "block_n", "group_m", "num_warps", "num_stages")
+
+
+@dataclass(frozen=True)
+class InvariantMatmulSettings:
+    """The batch-invariant matmul (``kernels/triton_invariant_matmul.py``). Its K step fixes each
+    output's summation order, so the rollout and the training forward must launch it with the same
+    object: ``jetrl_trainer.exact`` holds the one both use.
+
+    Parameters:
+        block_m, block_n: the output tile (any M is padded up to a multiple of ``block_m`` by masking).
+        block_k: the K step for BF16/FP16 operands; ``block_k_fp32`` for FP32 ones.
+        num_warps, num_stages: Triton launch parameters.
+    """
+
+    block_m: int = 64
+    block_n: int = 64
+    block_k: int = 64
+    block_k_fp32: int = 32
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        _positive(self, "block_m", "block_n", "block_k", "block_k_fp32", "num_warps", "num_stages")

@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 
 from jetrl_trainer import kernels
+from jetrl_trainer.exact.mode import ExactOps
 from jetrl_trainer.kernels.settings import QuantKernelSettings
 from jetrl_trainer.quant._handoff import take_prequantized
 from jetrl_trainer.quant.fp8 import dequantize_fp8_groups, quantize_fp8_blocks, quantize_fp8_groups
@@ -57,9 +58,11 @@ def act_quant_fp8(
 def decode_gemm_module(x2d: torch.Tensor, max_m: int) -> Optional[ModuleType]:
     """``kernels/triton_decode_gemm`` when it should run on the activation ``x2d [M, K]``: on CUDA
     with the kernel, 1 <= M <= ``max_m`` (a recipe's ``decode_gemm.max_m``), and outside a
-    ``use_gemm_backend`` block; else None. ``JETRL_GEMM_BACKEND`` picks the general path's backend
+    ``use_gemm_backend`` block, nor under `ExactOps`; else None. ``JETRL_GEMM_BACKEND`` picks the general path's backend
     only: it does not turn this kernel off (a rollout's summation order stays that of the kernel)."""
     if not x2d.is_cuda or not kernels.triton_enabled() or kernels.forced_gemm_backend() is not None:
+        return None
+    if ExactOps.active():  # its split-K order depends on M; the exact product is the emulated one (linear.py)
         return None
     module = kernels.optional_module("triton_decode_gemm")
     if module is None or not 0 < x2d.shape[0] <= max_m:

@@ -51,7 +51,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from jetrl_trainer._choices import FLOAT_DTYPES, check_choice
-from jetrl_trainer.kernels import fp8_gemm_nt, forced_gemm_backend
+from jetrl_trainer.exact.mode import ExactOps
+from jetrl_trainer.kernels import available_gemm_backends, fp8_gemm_nt, forced_gemm_backend
 from jetrl_trainer.quant._dispatch import (
     act_quant_fp8,
     decode_linear_fp8,
@@ -92,11 +93,22 @@ def _add_bias(y32: torch.Tensor, bias: Optional[torch.Tensor], out_dtype: torch.
 # ---------------------------------------------------------------------------------------------
 
 
+def _exact_backend(x2d: torch.Tensor) -> str:
+    """The FP8 product under ExactOps, whose rows do not depend on M (the backward keeps the fast one):
+    on CUDA the Triton GEMM (one 128-wide K group per tile step whatever its tiles, the same
+    instructions for every row; tests/exact/ checks its rows), elsewhere the emulated one (exact group
+    sums). Never the decode GEMM, whose split-K plan depends on M."""
+    if x2d.is_cuda and "triton" in available_gemm_backends(x2d.device):
+        return "triton"
+    return "emulated"
+
+
 def _fp8_forward(x2d, w_q, w_s, bias, recipe: FP8Recipe, out_dtype: torch.dtype, x_fp8=None):
     # Y [M, N] = X_q [M, K] (1x128 groups along K) ⊗ W_q [N, K] (128x128 blocks), FP32 accumulation
     x_q, x_s = x_fp8 if x_fp8 is not None else act_quant_fp8(x2d, recipe.scale_format, settings=recipe.kernels)
     gemm_dtype = torch.float32 if bias is not None else out_dtype
-    y = fp8_gemm_nt((x_q, x_s), (w_q, w_s), b_granularity="block", out_dtype=gemm_dtype)
+    backend = _exact_backend(x2d) if ExactOps.active() else None
+    y = fp8_gemm_nt((x_q, x_s), (w_q, w_s), b_granularity="block", out_dtype=gemm_dtype, backend=backend)
     return _add_bias(y, bias, out_dtype), x_q, x_s
 
 

@@ -64,6 +64,7 @@ HAND_MISMATCH = {
     "mismatch/ppl_ratio": 3 ** (-1 / 7),  # exp(mean(rollout - train))
     "mismatch/ess_ratio": 11.75**2 / (7 * 31.3125),  # Σr = 11.75, Σr² = 31.3125
     "mismatch/nonfinite_tokens": 0.0,
+    "mismatch/logp_bits_equal_share": 2 / 7,  # rho = 1 exactly at two of the seven tokens
 }
 
 

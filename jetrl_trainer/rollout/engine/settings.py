@@ -38,11 +38,16 @@ class EngineSettings:
         attention_order: the SDPA backend whose summation order (tile size and tile order) the decode
             attention kernel reproduces (``attention.py``): ``CUDNN_ATTENTION`` or ``FLASH_ATTENTION``.
             None: the backend torch runs for the training forward's attention on the engine's device.
+        exact: decode with the batch-invariant ops of `jetrl_trainer.exact` (the model's modules under
+            `ExactOps`, the exact attention over the cache), so that every recorded log-prob is the bit
+            the training forward under `ExactOps` computes (docs/architecture.md#exact-on-policy). It runs
+            the ``"torch"`` decode path on any device: the kernel path has no exact kernels yet.
     """
 
     decode_path: Optional[str] = None
     attention: DecodeAttentionSettings = field(default_factory=DecodeAttentionSettings)
     attention_order: Optional[SDPBackend] = None
+    exact: bool = False
 
     def __post_init__(self) -> None:
         if self.decode_path is not None:
@@ -51,5 +56,8 @@ class EngineSettings:
             names = ", ".join(b.name for b in MATCHED_BACKENDS)
             raise ValueError(f"EngineSettings.attention_order must be None or one of {names}; "
                              f"got {self.attention_order!r}.")  # fmt: skip
+        if self.exact and self.decode_path not in (None, "torch"):
+            raise ValueError(f"EngineSettings(exact=True) decodes on the 'torch' path; got decode_path="
+                             f"{self.decode_path!r}. Leave decode_path None.")  # fmt: skip
         if not isinstance(self.attention, DecodeAttentionSettings):
             raise ValueError(f"EngineSettings.attention must be a DecodeAttentionSettings; got {self.attention!r}.")

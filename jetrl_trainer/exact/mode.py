@@ -1,0 +1,129 @@
+"""`ExactOps`: while open, the model's linears, matmuls, attention and norms' means run the batch-invariant ops.
+
+A torch function mode, so it reaches every module of the policy without replacing any: transformers'
+decoder code, peft's LoRA adapters, the LM head and our `QuantLinear` (whose FP8 product on CPU is
+already exact and batch invariant, `kernels/emulated.py`) all call ``F.linear`` / ``matmul`` /
+``F.scaled_dot_product_attention``, and the RMSNorms ``x.mean(-1, keepdim=True)``; the mode routes those
+calls to `ops.py`. The trainer opens it
+around both phases, the rollout and the training forward (and the backward, where gradient
+checkpointing recomputes the forward), so both compute with one implementation per op; outside it
+nothing changes. Thread-local, as every torch function mode.
+
+Float64 products pass through untouched (the FP8 emulation's exact group sums), and so do integer ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from jetrl_trainer._choices import FLOAT_DTYPES
+
+from .ops import exact_attention, exact_linear, row_invariant_matmul, row_mean
+
+__all__ = ["ExactOps", "exact_sdpa"]
+
+_MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm, torch.bmm,
+            torch.Tensor.bmm}  # fmt: skip
+_REDUCED_FLOATS = FLOAT_DTYPES  # float64 passes through
+_MEANS = {torch.mean, torch.Tensor.mean}
+
+
+def _last_dim_mean(args: tuple, kwargs: dict) -> bool:
+    """``x.mean(-1, keepdim=True)`` of a float ``x`` (the RMSNorm's variance), the one mean the mode takes."""
+    x = args[0]
+    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
+    if isinstance(dim, (tuple, list)) and len(dim) == 1:
+        dim = dim[0]
+    return (keepdim is True and isinstance(dim, int) and dim in (-1, x.dim() - 1) and x.dim() >= 1
+            and x.dtype in _REDUCED_FLOATS and set(kwargs) <= {"dim", "keepdim"})  # fmt: skip
+
+
+def exact_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """``F.scaled_dot_product_attention``'s contract (no dropout), computed by `exact_attention`."""
+    if dropout_p:
+        raise ValueError("exact log-probs need deterministic attention: set the model's attention_dropout to 0.")
+    s, t = query.shape[-2], key.shape[-2]
+    if attn_mask is None:
+        valid = torch.ones(s, t, dtype=torch.bool, device=query.device)
+        if is_causal:
+            valid = valid.tril(t - s)
+    elif attn_mask.dtype == torch.bool:
+        valid = attn_mask
+    else:  # additive: 0 where a key is read
+        valid = attn_mask == 0
+    valid = valid.expand(*query.shape[:-3], 1, s, t) if valid.dim() < 4 else valid
+    if valid.shape[1] != 1:
+        raise ValueError("exact attention takes one mask for all heads; got a per-head mask.")
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    return exact_attention(query, key, value, valid.expand(query.shape[0], 1, s, t)[:, 0], scale)
+
+
+_open = threading.local()  # how many `ExactOps.entered` blocks this thread is inside
+
+
+def _backward_in_mode(tensor, gradient=None, retain_graph=None, create_graph=False, inputs=None):
+    """``tensor.backward(...)`` with a fresh `ExactOps` on the stack while autograd's engine runs.
+
+    A mode is off inside its own handler, and gradient checkpointing recomputes the forward inside the
+    backward: that recomputation must run the exact ops, or it saves other tensors than the forward
+    did. So the engine is started here, below torch's function dispatch (``torch.autograd.backward``
+    would hand the call back to the mode), as ``torch.autograd.backward`` itself starts it."""
+    engine = getattr(torch.autograd.graph, "_engine_run_backward", None)
+    make_grads = getattr(torch.autograd, "_make_grads", None)
+    if engine is None or make_grads is None or inputs is not None:  # another torch: the plain backward
+        return torch.Tensor.backward(tensor, gradient, retain_graph, create_graph, inputs=inputs)
+    grads = make_grads((tensor,), (gradient,), is_grads_batched=False)
+    with ExactOps():
+        engine((tensor,), grads, create_graph if retain_graph is None else retain_graph, create_graph, (),
+               allow_unreachable=True, accumulate_grad=True)  # fmt: skip
+
+
+class ExactOps(TorchFunctionMode):
+    """Routes ``F.linear``, matmuls and ``F.scaled_dot_product_attention`` of floats to the batch-invariant ops."""
+
+    @staticmethod
+    @contextlib.contextmanager
+    def entered(enabled: bool = True) -> Iterator[None]:
+        """The mode for the block where ``enabled``, entered once however deeply the blocks nest (a mode
+        inside itself would chunk its own chunked products again)."""
+        depth = getattr(_open, "depth", 0)
+        if not enabled or depth:
+            yield
+            return
+        _open.depth = 1
+        try:
+            with ExactOps():
+                yield
+        finally:
+            _open.depth = 0
+
+    @staticmethod
+    def active() -> bool:
+        """Whether this thread is inside an `entered` block."""
+        return bool(getattr(_open, "depth", 0))
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            x = args[0]
+            if x.dtype in _REDUCED_FLOATS:
+                return exact_linear(*args, **kwargs)
+        elif func is F.scaled_dot_product_attention:
+            return exact_sdpa(*args, **kwargs)
+        elif func in _MEANS and _last_dim_mean(args, kwargs):
+            return row_mean(args[0])
+        elif func is torch.Tensor.backward:
+            return _backward_in_mode(*args, **kwargs)
+        elif func in _MATMULS and not kwargs:
+            a, b = args
+            if a.dtype in _REDUCED_FLOATS and a.dim() >= 2 and b.dim() >= 2:
+                return row_invariant_matmul(a, b)
+        return func(*args, **kwargs)
+

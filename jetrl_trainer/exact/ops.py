@@ -1,0 +1,185 @@
+"""Batch-invariant operations: each output row's bits depend on that row's inputs and the inner sizes only.
+
+The exact on-policy contract (docs/architecture.md#exact-on-policy) needs the rollout and the
+training forward to compute every log-prob with the same bits. They run the same modules on
+different shapes: the training forward multiplies ``B × (P + T)`` rows at once, a decode step ``B``
+rows, a prefill ``N × P``. A BLAS GEMM sums a row in an order that depends on M (FP32 on CPU: a row
+of an ``(M, K) @ (K, N)`` product changes with M, measured on torch 2.13), and SDPA tiles its keys
+from each padded row's position 0. So these functions fix the shapes the hardware sees:
+
+* `row_invariant_matmul`: on CPU every GEMM call is a batch of ``ROWS × K @ K × N`` products, the
+  rows padded up to a multiple of ``ROWS``. A row's sum order then depends on (K, N) only; where in
+  its chunk a row sits, and what the other rows hold, does not change it (tests/exact/). On CUDA a
+  Triton kernel with one tile shape and no split-K (`kernels/triton_invariant_matmul.py`).
+* `exact_attention`: flash-style attention over key tiles of ``KV_TILE`` positions counted from each
+  row's first real key (left padding removed), tile by tile in order, with the online-softmax update
+  in FP32. A query's output is a function of its own keys and values only, whether the call holds
+  one query (a decode step) or a whole sequence (prefill, the training forward); tiles a query
+  cannot see add exact zeros. The backward is autograd's through these ops.
+* `log_probs` / `token_logprobs`: temperature and log-softmax, one row at a time, as the sampler
+  and the training forward both call it.
+
+* `row_mean`: the RMSNorm's mean of squares as a product with a ones column.
+
+What stays in torch's hands: element-wise ops (vectorized the same for every element when the
+widths are multiples of the vector length: true of every supported model, and checked end to end by
+the contract tests), ``amax`` (exact in any order) and ``log_softmax`` (one row per thread or
+block, measured invariant). Plain torch, so it runs on any device.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from jetrl_trainer.kernels.settings import InvariantMatmulSettings
+
+__all__ = [
+    "KV_TILE",
+    "ROWS",
+    "exact_attention",
+    "exact_linear",
+    "log_probs",
+    "row_invariant_matmul",
+    "row_mean",
+    "token_logprobs",
+]
+
+ROWS = 16  # rows per GEMM: the decode batch pads up to it, so keep it small
+KV_TILE = 64  # keys per attention tile
+
+_MASKED = torch.finfo(torch.float32).min
+MATMUL = InvariantMatmulSettings()  # the CUDA kernel's tiles: both phases launch it with this one  # finite, so a query with no key left gives no NaN
+
+
+def row_invariant_matmul(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b`` for ``a`` ``(..., M, K)`` and ``b`` ``(..., K, N)`` (batch dims broadcast), as products of
+    ``ROWS``-row chunks: each output row is summed in an order fixed by (K, N)."""
+    m, k = a.shape[-2:]
+    n = b.shape[-1]
+    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    if a.dtype != b.dtype:
+        a, b = (t.to(torch.promote_types(a.dtype, b.dtype)) for t in (a, b))
+    if a.is_cuda and _triton_matmul() is not None:
+        return _cuda_matmul(a, b, batch)
+    if n == 1:  # a one-column product is a GEMV, whose order varies with the batch: make it two columns
+        return row_invariant_matmul(a, F.pad(b, (0, 1)))[..., :1]
+    chunks = -(-m // ROWS)
+    if chunks * ROWS != m:
+        a = F.pad(a, (0, 0, 0, chunks * ROWS - m))
+    a = a.expand(*batch, chunks * ROWS, k).reshape(-1, ROWS, k)
+    b = b.expand(*batch, k, n)[..., None, :, :].expand(*batch, chunks, k, n).reshape(-1, k, n)
+    out = torch.bmm(a, b)
+    return out.view(*batch, chunks * ROWS, n)[..., :m, :]
+
+
+def _triton_matmul():
+    from jetrl_trainer import kernels
+
+    return kernels.optional_module("triton_invariant_matmul") if kernels.triton_enabled() else None
+
+
+def _cuda_matmul(a: Tensor, b: Tensor, batch: torch.Size) -> Tensor:
+    """The Triton kernel's product: one tile shape for every call (cuBLAS's batched FP32 products
+    changed with the batch count on an H200). Autocast is applied here, as torch applies it to a matmul."""
+    if torch.is_autocast_enabled("cuda") and a.dtype == torch.float32:
+        dtype = torch.get_autocast_dtype("cuda")
+        a, b = a.to(dtype), b.to(dtype)
+    m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
+    out = _triton_matmul().invariant_matmul(a.expand(*batch, m, k).reshape(-1, m, k),
+                                            b.expand(*batch, k, n).reshape(-1, k, n), MATMUL)  # fmt: skip
+    return out.view(*batch, m, n)
+
+
+def exact_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``F.linear`` with `row_invariant_matmul` (the bias added after the product, in the output dtype)."""
+    out = row_invariant_matmul(x.reshape(-1, x.shape[-1]), weight.t()).view(*x.shape[:-1], weight.shape[0])
+    return out if bias is None else out + bias
+
+
+def row_mean(x: Tensor) -> Tensor:
+    """``x.mean(-1, keepdim=True)`` as a `row_invariant_matmul` with a ones column: a GPU reduction
+    kernel picks its thread layout by the number of rows, this sums each row in one fixed order."""
+    ones = torch.ones(x.shape[-1], 1, dtype=x.dtype, device=x.device)
+    rows = x.reshape(-1, x.shape[-1])
+    with torch.autocast(x.device.type, enabled=False):  # a mean keeps its dtype under autocast
+        return (row_invariant_matmul(rows, ones) / x.shape[-1]).view(*x.shape[:-1], 1)
+
+
+def _first_key(key_valid: Tensor) -> Tensor:
+    """Per batch row, the first key any query reads ``(B,)`` (0 for a row with none)."""
+    seen = key_valid.any(dim=-2)  # (B, T)
+    return torch.where(seen.any(-1), seen.to(torch.uint8).argmax(-1), 0)
+
+
+def _shift_left(x: Tensor, offsets: Tensor, fill) -> Tensor:
+    """Row ``b`` of ``x`` ``(B, ..., T, *)`` moved left by ``offsets[b]`` along dim 2 (or the last
+    dim for a mask ``(B, S, T)``), ``fill`` coming in from the right."""
+    if not bool(offsets.any()):
+        return x
+    mask_like = x.dtype == torch.bool
+    t_dim = -1 if mask_like else 2
+    t = x.shape[t_dim]
+    index = torch.arange(t, device=x.device)[None, :] + offsets[:, None]  # (B, T)
+    inside = index < t
+    shape = [x.shape[0]] + [1] * (x.dim() - 1)
+    shape[t_dim] = t
+    gathered = torch.take_along_dim(x, index.clamp(max=t - 1).view(shape), dim=t_dim)
+    return torch.where(inside.view(shape), gathered, fill)
+
+
+def exact_attention(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, scale: float) -> Tensor:
+    """Softmax attention ``(B, H, S, D)`` of q ``(B, H, S, D)`` over k / v ``(B, H_kv, T, D)`` (GQA:
+    query head ``h`` reads KV head ``h // (H / H_kv)``), query ``s`` reading the keys where
+    ``key_valid[b, s]`` ``(B, S, T)`` is True.
+
+    Each batch row's keys must be one run starting at its first real key (left padding before it,
+    anything after): the tiles start there, so the same query sees the same tiles in a padded
+    training batch, a prefill and the engine's cache. Computed in FP32, returned in ``q``'s dtype.
+    """
+    b, h, s, d = q.shape
+    h_kv = k.shape[1]
+    offsets = _first_key(key_valid)
+    k, v = _shift_left(k, offsets, 0.0), _shift_left(v, offsets, 0.0)
+    valid = _shift_left(key_valid, offsets, False)
+    t = k.shape[2]
+    tiles = -(-t // KV_TILE)
+    pad = tiles * KV_TILE - t
+    with torch.autocast(q.device.type, enabled=False):  # FP32 throughout, whatever the caller's autocast
+        kf = F.pad(k.float(), (0, 0, 0, pad))
+        ones = torch.ones(*v.shape[:-1], 1, dtype=torch.float32, device=v.device)
+        v1 = F.pad(torch.cat([v.float(), ones], dim=-1), (0, 0, 0, pad))  # p @ [v | 1]: values and the sum of p
+        valid = F.pad(valid, (0, pad))
+        # GQA: the queries of one KV head are the rows of one matmul
+        qf = q.float().reshape(b, h_kv, (h // h_kv) * s, d)
+        rows = qf.shape[2]
+        valid = valid[:, None].expand(b, h // h_kv, s, valid.shape[-1]).reshape(b, 1, rows, valid.shape[-1])
+        m = torch.full((b, h_kv, rows, 1), _MASKED, dtype=torch.float32, device=q.device)
+        acc = torch.zeros(b, h_kv, rows, d + 1, dtype=torch.float32, device=q.device)
+        for j in range(tiles):
+            keys = slice(j * KV_TILE, (j + 1) * KV_TILE)
+            scores = row_invariant_matmul(qf, kf[:, :, keys].transpose(-1, -2)) * scale
+            scores = scores.masked_fill(~valid[..., keys], _MASKED)
+            m_new = torch.maximum(m, scores.amax(dim=-1, keepdim=True))
+            p = torch.exp(scores - m_new)
+            acc = acc * torch.exp(m - m_new) + row_invariant_matmul(p, v1[:, :, keys])
+            m = m_new
+        out = acc[..., :d] / acc[..., d:]
+    return out.view(b, h, s, d).to(q.dtype)
+
+
+def log_probs(logits: Tensor, temperature: float = 1.0) -> Tensor:
+    """``log_softmax(logits / temperature)`` over the last dim, ``logits`` in FP32.
+
+    The one implementation of a recorded log-prob: the engine's sampler (on its warped scores, where
+    the temperature warper has divided already) and the exact training forward (`token_logprobs`)
+    both call it on the same FP32 logits row, so their results are the same bits."""
+    if temperature != 1.0:
+        logits = logits / temperature
+    return torch.log_softmax(logits, dim=-1)
+
+
+def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> Tensor:
+    """`log_probs` at ``tokens``: ``logits`` ``(..., V)``, ``tokens`` ``(...)``."""
+    return log_probs(logits, temperature).gather(-1, tokens[..., None]).squeeze(-1)
