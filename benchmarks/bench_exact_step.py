@@ -11,7 +11,8 @@ run that forward every step, ``log_mismatch``'s default). Exact mode
 runs the engine's plain-torch decode and, for FP8, the emulated product (docs/performance.md says
 what that costs and why).
 
-Usage: ``python benchmarks/bench_exact_step.py [--layers 36] [--new 512] [--steps 3] [--variants ...]``
+Usage: ``python benchmarks/bench_exact_step.py [--layers 36] [--new 512] [--steps 3] [--variants ...]``;
+``--model FOLDER --device cpu`` runs a local checkpoint (SmolLM2-135M-Instruct's cached copy) on CPU.
 """
 
 from __future__ import annotations
@@ -52,9 +53,14 @@ def _mean(values) -> float:
 
 def run(variant: str, args, tokenizer) -> dict:
     precision, exact = VARIANTS[variant]
-    shape = SHAPE_8B if args.shape == "8b" else {}
-    model = build_tiny_qwen3(tokenizer, num_hidden_layers=args.layers, max_position_embeddings=8192, seed=0,
-                             dtype=torch.bfloat16, **shape).to(args.device)  # fmt: skip
+    if args.model:  # a local checkpoint (e.g. SmolLM2-135M-Instruct's cached BF16 copy), with its tokenizer
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16).to(args.device)
+    else:
+        shape = SHAPE_8B if args.shape == "8b" else {}
+        model = build_tiny_qwen3(tokenizer, num_hidden_layers=args.layers, max_position_embeddings=8192, seed=0,
+                                 dtype=torch.bfloat16, **shape).to(args.device)  # fmt: skip
     # Ragged prompts: 8 distinct, of different lengths.
     prompts = Dataset.from_dict({"prompt": [[{"role": "user", "content": "count: " + " ".join(map(str, range(4 * i)))}]
                                             for i in range(1, 9)] * 8})  # fmt: skip
@@ -101,13 +107,19 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--shape", default="8b", choices=["8b", "tiny"], help="8b: Qwen3-8B layer shapes; tiny: CPU smoke")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--model", default=None, help="a local model folder instead of the random 8B-shaped Qwen3")
     ap.add_argument("--variants", default="bf16,bf16_exact,fp8,fp8_exact", help=f"comma list of {', '.join(VARIANTS)}")
     args = ap.parse_args()
     names = args.variants.split(",")
     unknown = sorted(set(names) - set(VARIANTS))
     if unknown:
         raise SystemExit(f"unknown --variants {unknown}; choose from {', '.join(VARIANTS)}")
-    tokenizer = build_tiny_tokenizer(model_max_length=8192)
+    if args.model:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+    else:
+        tokenizer = build_tiny_tokenizer(model_max_length=8192)
     result = dict(benchmark="exact_step", env=environment(), args=vars(args))
     for name in names:
         result[name] = run(name, args, tokenizer)

@@ -9,6 +9,8 @@
   BF16 and FP8 rounding turn those last-bit differences into different tokens. With an attention
   that sums as `generate`'s call does, the tokens are equal in all four cases. Those cases are
   strict xfails: `generate` picks transformers' kernels, which the engine does not reproduce.
+* Under `ExactOps` (the exact contract's ops) `generate` and the exact engine give the same greedy
+  tokens in FP32, BF16 and FP8: both then compute every op the same way.
 * The exact on-policy contract over one GRPO step (`exact_logprobs`, the engine with
   `jetrl_trainer.exact`), in ``fp8/fp8`` and ``bf16/bf16``: every completion token's recorded
   log-prob equals the training forward's bits, and the loss's ratios are exactly 1.
@@ -37,7 +39,7 @@ QUESTIONS = (
 SUMMATION_ORDER = (
     "the engine's CPU decode attention (one query per head over each row's live KV) sums in another order "
     "than generate's SDPA call (GQA-packed queries over the left-padded KV), and BF16/FP8 rounding turns "
-    "the last-bit differences into other tokens; equal when the engine's attention sums as generate's (issue 37)"
+    "the last-bit differences into other tokens; under the exact ops both sum alike and agree (the test below)"
 )
 
 
@@ -119,6 +121,34 @@ def test_engine_greedy_tokens_equal_generate(smollm2_dir, one_thread, dtype, rol
     assert [len(lp) for lp in logprobs] == [len(t) for t in tokens]
     if max_new_tokens == 32:  # rows stop at their EOS, at different lengths
         assert any(t[-1] in eos for t in tokens) and len({len(t) for t in tokens}) > 1
+
+
+@pytest.mark.parametrize(
+    ("dtype", "rollout", "max_new_tokens"),
+    [
+        pytest.param(torch.float32, None, 16, id="fp32"),
+        pytest.param(torch.bfloat16, None, 16, id="bf16"),
+        pytest.param(torch.float32, "fp8", 6, id="fp32-fp8"),  # FP8 is emulated on CPU: fewer tokens
+        pytest.param(torch.bfloat16, "fp8", 6, id="bf16-fp8"),
+    ],
+)  # fmt: skip
+def test_exact_engine_greedy_tokens_equal_generate_under_the_exact_ops(smollm2_dir, one_thread, dtype, rollout,
+                                                                        max_new_tokens):  # fmt: skip
+    from jetrl_trainer.exact import ExactOps
+    from jetrl_trainer.rollout.engine import EngineSettings
+
+    model, tokenizer = load_smollm2(smollm2_dir, dtype)
+    if rollout is not None:
+        quantize_model(model, train=rollout, rollout=rollout)
+    prompts = _chat_ids(tokenizer, QUESTIONS)
+    config, eos = _greedy(tokenizer, max_new_tokens)
+    pad = tokenizer.pad_token_id
+    engine = DecodeEngine(model, settings=EngineSettings(exact=True))
+    with PrecisionPhases(model).rollout():
+        with ExactOps.entered():
+            expected = _generate(model, prompts, config, eos, pad)
+        tokens, _ = engine.generate(prompts, config, eos_token_ids=eos, seed=0, pad_token_id=pad)
+    assert tokens == expected, _divergences(expected, tokens)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])

@@ -125,3 +125,12 @@ def test_gradients_match_the_plain_forward(tmp_path):
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
     assert torch.allclose(grads[0], grads[1], rtol=1e-3, atol=1e-5)
     assert grads[0].abs().sum() > 0
+
+
+def test_fp32_master_weights_under_autocast_run_the_engine_without_exact_too(tmp_path):
+    """``bf16=True`` with FP32 master weights: the prefill's keys come out FP32 (RoPE promotes them) and
+    its values BF16; the engine's cache holds both (it refused the BF16 values before)."""
+    trainer = make_trainer(tmp_path, exact_logprobs=False, bf16=True, **EXACT)
+    logs, _ = train(trainer)
+    assert trainer.rollout_backend.last_stats["decode_path"] == "torch"
+    assert logs["mismatch/logp_abs_diff_max"] < 0.1 and logs["jetrl/skipped_steps"] == 0
