@@ -54,8 +54,32 @@ MATMUL = InvariantMatmulSettings()  # the CUDA kernel's tiles: both phases launc
 
 
 def row_invariant_matmul(a: Tensor, b: Tensor) -> Tensor:
-    """``a @ b`` for ``a`` ``(..., M, K)`` and ``b`` ``(..., K, N)`` (batch dims broadcast), as products of
-    ``ROWS``-row chunks: each output row is summed in an order fixed by (K, N)."""
+    """``a @ b`` for ``a`` ``(..., M, K)`` and ``b`` ``(..., K, N)`` (batch dims broadcast), each output row
+    summed in an order fixed by (K, N): ``ROWS``-row chunks on CPU, the invariant kernel on CUDA.
+
+    Differentiable; the backward is the plain matmuls' (any correct gradient will do, and a chunked
+    backward would materialize the broadcast weight's gradient once per chunk)."""
+    return _InvariantMatmul.apply(a, b)
+
+
+class _InvariantMatmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a: Tensor, b: Tensor) -> Tensor:
+        ctx.save_for_backward(a, b)
+        return _invariant_matmul(a, b)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
+        a, b = ctx.saved_tensors
+        grad_a = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_a = (grad @ b.mT.to(grad.dtype)).sum_to_size(a.shape).to(a.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_b = (a.mT.to(grad.dtype) @ grad).sum_to_size(b.shape).to(b.dtype)
+        return grad_a, grad_b
+
+
+def _invariant_matmul(a: Tensor, b: Tensor) -> Tensor:
     m, k = a.shape[-2:]
     n = b.shape[-1]
     batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
@@ -64,7 +88,7 @@ def row_invariant_matmul(a: Tensor, b: Tensor) -> Tensor:
     if a.is_cuda and _triton_matmul() is not None:
         return _cuda_matmul(a, b, batch)
     if n == 1:  # a one-column product is a GEMV, whose order varies with the batch: make it two columns
-        return row_invariant_matmul(a, F.pad(b, (0, 1)))[..., :1]
+        return _invariant_matmul(a, F.pad(b, (0, 1)))[..., :1]
     chunks = -(-m // ROWS)
     if chunks * ROWS != m:
         a = F.pad(a, (0, 0, 0, chunks * ROWS - m))
