@@ -10,7 +10,8 @@ different class.
 prompts ─► backend.generate, in precision_phases.rollout()  ─► completion ids + sampling log-probs
         ─► rewards ─► group advantages                                                     (TRL)
         ─► old log-probs: scorer, train phase, no grad
-           (sampling log-probs too, in the rollout phase, when the backend recorded none)
+           (sampling log-probs too, in the rollout phase, when the backend recorded none;
+           with exact_logprobs the recorded ones are those bits: checked every exact_check_every-th batch)
         ─► per slice: corrector(old, sampling, mask, advantages) ─► weights [B, T] + mismatch sums
         ─► TRL's per-token surrogate × weights ─► backward ─► guarded optimizer step
         ─► weight_cache_refresh: the policy re-quantizes its weights on its next forward
