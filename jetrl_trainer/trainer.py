@@ -220,7 +220,11 @@ class JetGRPOTrainer(GRPOTrainer):
         mode = "train" if self.model.training else "eval"
         device = self.accelerator.device
         slices = {k: v.to(device).expand(len(inputs), -1) for k, v in self.policy_scorer.new_slices(mode).items()}
-        with self._scoring(next(iter(slices.values()), None)):  # TRL's reference / old log-prob calls
+        # Exact log-probs: the recorded ones are the old ones, so TRL's own old-log-prob forward (which it
+        # runs when num_iterations makes generation and optimizer steps misaligned) is skipped; TRL reads
+        # num_iterations there only to decide that (tests/trainer/test_trl_contract.py).
+        skip_old = _attributes(self, num_iterations=1) if self.exact_logprobs else contextlib.nullcontext()
+        with self._scoring(next(iter(slices.values()), None)), skip_old:  # TRL's reference / old log-prob calls
             batch = super()._generate_and_score_completions(inputs)
         batch.update({k: v.clone() for k, v in slices.items()})
         if self._needs_train_logps:

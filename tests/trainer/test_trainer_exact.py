@@ -134,3 +134,21 @@ def test_fp32_master_weights_under_autocast_run_the_engine_without_exact_too(tmp
     logs, _ = train(trainer)
     assert trainer.rollout_backend.last_stats["decode_path"] == "torch"
     assert logs["mismatch/logp_abs_diff_max"] < 0.1 and logs["jetrl/skipped_steps"] == 0
+
+
+def test_with_several_inner_iterations_no_old_logprob_forward_runs(tmp_path, monkeypatch):
+    """``num_iterations=2`` makes TRL compute old log-probs itself (generation and optimizer steps are
+    misaligned); with exact log-probs the recorded ones serve, so no no-grad training forward runs at
+    all when no check is due, and the ratios of both inner iterations' first pass stay exact."""
+    trainer = make_trainer(tmp_path, exact_check_every=0, num_iterations=2, **EXACT)
+    no_grad_forwards = []
+    token_logps = trainer.policy_scorer.token_logps
+
+    def counting(*args, **kwargs):
+        no_grad_forwards.append(not torch.is_grad_enabled())
+        return token_logps(*args, **kwargs)
+
+    monkeypatch.setattr(trainer.policy_scorer, "token_logps", counting)
+    logs, _ = train(trainer)
+    assert no_grad_forwards and not any(no_grad_forwards)  # only the loss's forwards, with grad
+    assert logs["clip_ratio/region_mean"] == 0.0

@@ -9,7 +9,8 @@ Each test names one override and fails loudly, with the contract in its message,
 * ``_compute_loss`` multiplies the per-token loss by ``inputs["importance_sampling_ratio"]`` under
   ``use_vllm and vllm_importance_sampling_correction``, flags that guard nothing else there;
 * ``_generate_and_score_completions`` returns ``old_per_token_logps`` only when the steps are
-  misaligned (else we compute it), and ``_prepare_inputs`` shuffles and splits every batch tensor
+  misaligned (else we compute it; with exact log-probs we lower ``num_iterations`` around it to skip
+  that forward, and ``num_iterations`` decides nothing else there), and ``_prepare_inputs`` shuffles and splits every batch tensor
   along dim 0 (our per-slice tensors ride along);
 * ``_step``, ``num_iterations`` and ``steps_per_generation`` say which inner iteration a loss is.
 """
@@ -117,6 +118,9 @@ def test_old_logprobs_are_computed_by_trl_only_for_misaligned_steps():
     ), "TRL changed when it computes old_per_token_logps"
     assert 'output["old_per_token_logps"] = old_per_token_logps' in source
     assert 'output["sampling_per_token_logps"] = sampling_per_token_logps' in source
+    # exact_logprobs lowers num_iterations to 1 around this call to skip that forward: it must decide nothing else
+    assert source.count("self.num_iterations") == 1, "num_iterations now does more in _generate_and_score_completions"
+    assert "generate_every = self.args.steps_per_generation * self.num_iterations" in source
 
 
 def test_batch_tensors_are_shuffled_and_split_along_rows():
