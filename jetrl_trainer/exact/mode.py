@@ -1,13 +1,13 @@
 """`ExactOps`: while open, the model's linears, matmuls, attention and norms' means run the batch-invariant ops.
 
 A torch function mode, so it reaches every module of the policy without replacing any: transformers'
-decoder code, peft's LoRA adapters, the LM head and our `QuantLinear` (whose FP8 product on CPU is
-already exact and batch invariant, `kernels/emulated.py`) all call ``F.linear`` / ``matmul`` /
+decoder code, peft's LoRA adapters and the LM head call ``F.linear`` / ``matmul`` /
 ``F.scaled_dot_product_attention``, and the RMSNorms ``x.mean(-1, keepdim=True)``; the mode routes those
-calls to `ops.py`. The trainer opens it
-around both phases, the rollout and the training forward (and the backward, where gradient
-checkpointing recomputes the forward), so both compute with one implementation per op; outside it
-nothing changes. Thread-local, as every torch function mode.
+calls to `ops.py`. Our FP8 `QuantLinear` asks `ExactOps.active()` and runs a row-invariant FP8 product
+(quant/linear.py). The engine, the scorer and the trainer open it around both phases, the rollout
+and the training forward (and the backward, where gradient checkpointing recomputes the forward),
+so both compute with one implementation per op; outside it nothing changes. Thread-local, as every
+torch function mode.
 
 Float64 products pass through untouched (the FP8 emulation's exact group sums), and so do integer ones.
 """
