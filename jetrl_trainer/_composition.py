@@ -60,6 +60,7 @@ def resolve_exact_logprobs(args: Any, model: Any, *, diffusion: bool, cuda: bool
     ``None`` turns it on where it applies and the engine decodes on CPU. On CUDA the exact decode runs
     the engine's plain-torch path, not its kernels (docs/performance.md has the measured cost), so
     ``None`` leaves it off there."""
+    from jetrl_trainer.config import exact_refusal
     from jetrl_trainer.rollout.engine import unsupported_model_reason
 
     if args.exact_logprobs is False:
@@ -70,7 +71,7 @@ def resolve_exact_logprobs(args: Any, model: Any, *, diffusion: bool, cuda: bool
         unmet = f"the decode engine cannot run this model ({reason})" if reason is not None else None
     if args.exact_logprobs:
         if unmet is not None:
-            raise ValueError(f"exact_logprobs=True: {unmet}; or set exact_logprobs=None to use it where it applies.")
+            raise exact_refusal(unmet)
         return True, "exact_logprobs=True"
     if unmet is not None:
         return False, unmet

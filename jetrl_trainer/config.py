@@ -711,7 +711,7 @@ class JetGRPOConfig(GRPOConfig):
         if self.exact_logprobs:
             unmet = self.exact_unmet()
             if unmet is not None:
-                raise ValueError(f"exact_logprobs=True: {unmet}; or set exact_logprobs=None to use it where it applies.")
+                raise exact_refusal(unmet)
 
     # ------------------------------------------------------------------ diffusion LMs
 
@@ -752,6 +752,11 @@ class JetGRPOConfig(GRPOConfig):
         if antithetic and (8 if n_mc is None else n_mc) % 2:
             raise ValueError(f"likelihood_antithetic=True draws samples in pairs: likelihood_mc_samples must be even; "
                              f"got {n_mc}. Use e.g. {n_mc + 1}.")
+
+
+def exact_refusal(unmet: str) -> ValueError:
+    """The error for ``exact_logprobs=True`` where ``unmet`` (what to change) stands in the way."""
+    return ValueError(f"exact_logprobs=True: {unmet}; or set exact_logprobs=None to use it where it applies.")
 
 
 def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:

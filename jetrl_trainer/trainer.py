@@ -235,16 +235,16 @@ class JetGRPOTrainer(GRPOTrainer):
         """Sampling and old log-probs of every slice, corrector weights and mismatch sums (in place)."""
         sampling = batch.get("sampling_per_token_logps")
         sampling = self._score(batch, "rollout") if sampling is None else self._as_slices(sampling)
+        mask = batch["completion_mask"] if "tool_mask" not in batch else batch["completion_mask"] * batch["tool_mask"]
         checked = True
         if self.exact_logprobs:  # the recorded log-probs are the training forward's bits: no forward needed
             checked = self._exact_check_due()
-            train = self._checked_exact(batch, sampling) if checked else sampling
+            train = self._checked_exact(batch, sampling, mask) if checked else sampling
         else:
             train = batch.get("old_per_token_logps")  # TRL skips it when it equals the loss's own forward
             train = self._score(batch, "train") if train is None else self._as_slices(train)
         batch["sampling_per_token_logps"] = self._from_slices(sampling)
         batch["old_per_token_logps"] = self._from_slices(train)
-        mask = batch["completion_mask"] if "tool_mask" not in batch else batch["completion_mask"] * batch["tool_mask"]
         weights = []
         for k in range(sampling.shape[1]):
             correction = self.corrector(train[:, k], sampling[:, k], mask, batch["advantages"])
@@ -260,11 +260,11 @@ class JetGRPOTrainer(GRPOTrainer):
         self._generation_batches += 1
         return every > 0 and count % every == 0
 
-    def _checked_exact(self, batch: dict[str, Any], sampling: Tensor) -> Tensor:
+    def _checked_exact(self, batch: dict[str, Any], sampling: Tensor, mask: Tensor) -> Tensor:
         """The training forward's log-probs of the batch (no grad), compared with the recorded ones: a
         warning names the largest difference if any token's bits differ. These are the old log-probs then."""
         train = self._score(batch, "train")
-        mask = batch["completion_mask"].bool()[:, None].expand_as(train)
+        mask = mask.bool()[:, None].expand_as(train)
         differ = (train != sampling) & mask
         if bool(differ.any()):
             largest = float((train - sampling).abs()[differ].max())

@@ -62,7 +62,7 @@ def decode_gemm_module(x2d: torch.Tensor, max_m: int) -> Optional[ModuleType]:
     only: it does not turn this kernel off (a rollout's summation order stays that of the kernel)."""
     if not x2d.is_cuda or not kernels.triton_enabled() or kernels.forced_gemm_backend() is not None:
         return None
-    if ExactOps.active():  # its split-K order depends on M; the exact product is the emulated one (linear.py)
+    if ExactOps.active():  # its split-K order depends on M; linear.py picks a row-invariant product instead
         return None
     module = kernels.optional_module("triton_decode_gemm")
     if module is None or not 0 < x2d.shape[0] <= max_m:

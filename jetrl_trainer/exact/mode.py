@@ -86,7 +86,8 @@ def _backward_in_mode(tensor, gradient=None, retain_graph=None, create_graph=Fal
 
 
 class ExactOps(TorchFunctionMode):
-    """Routes ``F.linear``, matmuls and ``F.scaled_dot_product_attention`` of floats to the batch-invariant ops."""
+    """Routes ``F.linear``, matmuls, ``F.scaled_dot_product_attention`` and the RMSNorm's mean of floats to
+    the batch-invariant ops, and runs ``Tensor.backward`` with the mode kept (`_backward_in_mode`)."""
 
     @staticmethod
     @contextlib.contextmanager

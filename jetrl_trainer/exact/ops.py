@@ -16,15 +16,14 @@ from each padded row's position 0. So these functions fix the shapes the hardwar
   in FP32. A query's output is a function of its own keys and values only, whether the call holds
   one query (a decode step) or a whole sequence (prefill, the training forward); tiles a query
   cannot see add exact zeros. The backward is autograd's through these ops.
+* `row_mean`: the RMSNorm's mean of squares as a product with a ones column.
 * `log_probs` / `token_logprobs`: temperature and log-softmax, one row at a time, as the sampler
   and the training forward both call it.
-
-* `row_mean`: the RMSNorm's mean of squares as a product with a ones column.
 
 What stays in torch's hands: element-wise ops (vectorized the same for every element when the
 widths are multiples of the vector length: true of every supported model, and checked end to end by
 the contract tests), ``amax`` (exact in any order) and ``log_softmax`` (one row per thread or
-block, measured invariant). Plain torch, so it runs on any device.
+block, measured invariant). Plain torch on every device but for the CUDA matmul kernel.
 """
 
 from __future__ import annotations

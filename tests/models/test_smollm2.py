@@ -66,6 +66,16 @@ def _greedy(tokenizer, max_new_tokens: int) -> tuple[GenerationConfig, list[int]
     return config, eos
 
 
+def _greedy_case(smollm2_dir, dtype, rollout, max_new_tokens):
+    """The model in ``dtype`` (with the ``rollout`` recipe in both phases, or none), the chat prompts,
+    the greedy config, its EOS ids and the pad id."""
+    model, tokenizer = load_smollm2(smollm2_dir, dtype)
+    if rollout is not None:
+        quantize_model(model, train=rollout, rollout=rollout)
+    config, eos = _greedy(tokenizer, max_new_tokens)
+    return model, _chat_ids(tokenizer, QUESTIONS), config, eos, tokenizer.pad_token_id
+
+
 def _generate(model, prompts, config, eos, pad_token_id) -> list[list[int]]:
     ids, mask = left_pad(prompts, pad_token_id)
     out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
@@ -108,12 +118,7 @@ def test_loads_as_a_llama_and_answers_a_chat_prompt(smollm2_dir, one_thread):
     ],
 )  # fmt: skip
 def test_engine_greedy_tokens_equal_generate(smollm2_dir, one_thread, dtype, rollout, max_new_tokens):
-    model, tokenizer = load_smollm2(smollm2_dir, dtype)
-    if rollout is not None:
-        quantize_model(model, train=rollout, rollout=rollout)
-    prompts = _chat_ids(tokenizer, QUESTIONS)
-    config, eos = _greedy(tokenizer, max_new_tokens)
-    pad = tokenizer.pad_token_id
+    model, prompts, config, eos, pad = _greedy_case(smollm2_dir, dtype, rollout, max_new_tokens)
     with PrecisionPhases(model).rollout():
         expected = _generate(model, prompts, config, eos, pad)
         tokens, logprobs = DecodeEngine(model).generate(prompts, config, eos_token_ids=eos, seed=0, pad_token_id=pad)
@@ -137,12 +142,7 @@ def test_exact_engine_greedy_tokens_equal_generate_under_the_exact_ops(smollm2_d
     from jetrl_trainer.exact import ExactOps
     from jetrl_trainer.rollout.engine import EngineSettings
 
-    model, tokenizer = load_smollm2(smollm2_dir, dtype)
-    if rollout is not None:
-        quantize_model(model, train=rollout, rollout=rollout)
-    prompts = _chat_ids(tokenizer, QUESTIONS)
-    config, eos = _greedy(tokenizer, max_new_tokens)
-    pad = tokenizer.pad_token_id
+    model, prompts, config, eos, pad = _greedy_case(smollm2_dir, dtype, rollout, max_new_tokens)
     engine = DecodeEngine(model, settings=EngineSettings(exact=True))
     with PrecisionPhases(model).rollout():
         with ExactOps.entered():

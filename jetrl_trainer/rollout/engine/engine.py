@@ -151,22 +151,22 @@ class DecodeEngine:
         started_at = time.perf_counter()
         distinct: dict[tuple[int, ...], int] = {}
         seqs = [Seq(i, distinct.setdefault(tuple(p), len(distinct))) for i, p in enumerate(prompt_ids)]
-        with ExactOps.entered(self.settings.exact):
+        with ExactOps.entered(self.settings.exact):  # the prefill and every decode step
             keys, values, first_logits = self.prefill(list(distinct), pad_token_id, pad_to_multiple_of)
-        prefilled_at = time.perf_counter()  # the host's side: the GPU may still be prefilling
-        slots = min(len(seqs), max_batch_size or len(seqs))
-        max_len = max(map(len, distinct)) + config.max_new_tokens
-        # The prefill's keys and values, held without rounding: under autocast keys come out FP32 (RoPE
-        # promotes them) and values BF16, and a later decode step writes the same dtypes.
-        kv_dtype = torch.promote_types(keys[0].dtype, values[0].dtype)
-        state, reused = self._decode_state((slots, _sampling_key(config), kv_dtype), max_len, config)
-        captured_before = state.graphs.capture_seconds if state.graphs is not None else 0.0
-        prompts = PrefilledPrompts(state.cache, state.sampler, [len(p) for p in distinct], keys, values, first_logits)
-        del keys, values
-        budgets = [min(config.max_new_tokens, b) for b in row_budgets or [config.max_new_tokens] * len(seqs)]
-        scheduler = SlotScheduler(seqs, slots, eos=set(eos_token_ids), budgets=budgets, seed=seed,
-                                  device=self.view.device)  # fmt: skip
-        with ExactOps.entered(self.settings.exact):
+            prefilled_at = time.perf_counter()  # the host's side: the GPU may still be prefilling
+            slots = min(len(seqs), max_batch_size or len(seqs))
+            max_len = max(map(len, distinct)) + config.max_new_tokens
+            # The prefill's keys and values, held without rounding: under autocast keys come out FP32 (RoPE
+            # promotes them) and values BF16, and a later decode step writes the same dtypes.
+            kv_dtype = torch.promote_types(keys[0].dtype, values[0].dtype)
+            state, reused = self._decode_state((slots, _sampling_key(config), kv_dtype), max_len, config)
+            captured_before = state.graphs.capture_seconds if state.graphs is not None else 0.0
+            prompts = PrefilledPrompts(state.cache, state.sampler, [len(p) for p in distinct], keys, values,
+                                       first_logits)  # fmt: skip
+            del keys, values
+            budgets = [min(config.max_new_tokens, b) for b in row_budgets or [config.max_new_tokens] * len(seqs)]
+            scheduler = SlotScheduler(seqs, slots, eos=set(eos_token_ids), budgets=budgets, seed=seed,
+                                      device=self.view.device)  # fmt: skip
             scheduler.run(lambda started: prompts.start(started, scheduler.step_inputs),
                           lambda *inputs: self._step(state, *inputs))  # fmt: skip
         if self.keep_state:

@@ -30,7 +30,7 @@ from transformers import GenerationConfig
 
 from jetrl_trainer import kernels
 from jetrl_trainer._hashing import M32, mix32
-from jetrl_trainer.exact import log_probs
+from jetrl_trainer.exact import log_probs, token_logprobs
 from jetrl_trainer.rollout.sampling import sampling_warpers
 
 __all__ = ["CDF_BLOCK", "TokenSampler", "inverse_cdf_sample", "unsupported_generation_reason"]
@@ -90,7 +90,7 @@ class TokenSampler:
         """``logits`` ``(B, V)`` FP32; ``row_seeds`` / ``steps`` ``(B,)`` int64. Returns ``(B,)`` ids and log-probs."""
         if self.greedy:
             tokens = logits.argmax(dim=-1)
-            return tokens, log_probs(logits).gather(-1, tokens[:, None]).squeeze(-1)
+            return tokens, token_logprobs(logits, tokens)
         scores = self.warpers(tokens_placeholder(logits), logits)  # these warpers ignore input_ids
         logp = log_probs(scores)  # the training forward's own log-softmax (jetrl_trainer.exact)
         tokens = inverse_cdf_sample(logp.exp(), _uniform(row_seeds, steps))
