@@ -59,7 +59,7 @@ def resolve_exact_logprobs(args: Any, model: Any, *, diffusion: bool, cuda: bool
     ``True`` was checked against the settings by the config; here only the model can still refuse it.
     ``None`` turns it on where it applies and the engine decodes on CPU. On CUDA the exact decode runs
     the engine's plain-torch path, not its kernels (docs/performance.md has the measured cost), so
-    ``None`` leaves it off there."""
+    ``None`` leaves it off there, but for the FP8 KV cache in the unified flow, which needs it."""
     from jetrl_trainer.config import exact_refusal
     from jetrl_trainer.rollout.engine import unsupported_model_reason
 
@@ -69,10 +69,14 @@ def resolve_exact_logprobs(args: Any, model: Any, *, diffusion: bool, cuda: bool
     if unmet is None:
         reason = unsupported_model_reason(model)
         unmet = f"the decode engine cannot run this model ({reason})" if reason is not None else None
-    if args.exact_logprobs:
+    unified_fp8_kv = args.rollout_kv_cache_dtype == "fp8" and args.train_precision == args.rollout_precision
+    if args.exact_logprobs or unified_fp8_kv:  # the config allows the unified FP8 cache under the contract only
         if unmet is not None:
-            raise exact_refusal(unmet)
-        return True, "exact_logprobs=True"
+            raise exact_refusal(unmet) if args.exact_logprobs else ValueError(
+                f"rollout_kv_cache_dtype='fp8' in the unified flow runs under the exact contract, and {unmet}; keep "
+                "rollout_kv_cache_dtype='auto' for this model.")  # fmt: skip
+        return True, ("exact_logprobs=True" if args.exact_logprobs else
+                      "the unified flow with the FP8 KV cache, which the training forward reads under the exact contract")
     if unmet is not None:
         return False, unmet
     if cuda:
@@ -120,6 +124,7 @@ def build_rollout_backend(trainer: Any, *, diffusion: bool) -> tuple[RolloutBack
         backend = EngineBackend(
             eos_token_ids=trainer.eos_token_ids, pad_token_id=tokenizer.pad_token_id, fallback=backend,
             kv_cache_tokens=args.rollout_kv_cache_tokens, kv_cache_dtype=args.rollout_kv_cache_dtype,
+            kv_cache_bytes=None if args.rollout_kv_cache_gib is None else int(args.rollout_kv_cache_gib * 2**30),
             requested=args.rollout_backend, keep_state=args.rollout_keep_engine_state,
             pad_to_multiple_of=trainer.pad_to_multiple_of, exact=trainer.exact_logprobs,
             autocast=trainer.accelerator.autocast,
@@ -132,7 +137,8 @@ def build_policy_scorer(trainer: Any, *, diffusion: bool, trl_token_logps: Any) 
     args = trainer.args
     if not diffusion:
         return AutoregressiveScorer(trl_token_logps, _sampling_config(trainer), trainer.accelerator.autocast,
-                                    compiled=_compiled_backbone(trainer), exact=trainer.exact_logprobs)  # fmt: skip
+                                    compiled=_compiled_backbone(trainer), exact=trainer.exact_logprobs,
+                                    kv_roundtrip=trainer.exact_kv_roundtrip)  # fmt: skip
     if args.compile_policy_forward:
         logger.warning("compile_policy_forward: not implemented for diffusion LMs; the policy's forward runs eagerly.")
     from jetrl_trainer.diffusion.scoring import DiffusionScorer

@@ -14,6 +14,7 @@ arithmetic of the ``nn.Linear`` layers that `quantize_model` swaps for `QuantLin
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Union
 
@@ -138,12 +139,18 @@ class JetGRPOConfig(GRPOConfig):
             `rollout_backend="engine"` only: KV-cache budget in tokens. At most this // (longest prompt
             + `max_completion_length`) sequences decode at once; the others wait for the slot of a
             finished one. The cache is freed after each rollout. `None` = every sequence at once.
+        rollout_kv_cache_gib (`float`, *optional*):
+            `rollout_backend="engine"` only: KV-cache budget in GiB. As many sequences decode at once as their
+            caches (longest prompt + `max_completion_length` positions, in the cache's format) fit in it, so
+            the FP8 cache runs about twice the sequences of a BF16 one; the others wait for a finished one's
+            slot. With `rollout_kv_cache_tokens`, the tighter of the two. `None` = no bound in memory.
         rollout_kv_cache_dtype (`str`, *optional*, defaults to `"auto"`):
             `rollout_backend="engine"` only: `"auto"` keeps keys/values in the model dtype; `"fp8"` stores
             them in FP8 E4M3 with one FP32 scale per token and KV head (about half the cache memory and
-            attention bytes). The rollout then departs from the training forward, so it is refused in the
-            unified flow (`train_precision == rollout_precision`) and needs a corrector. It saves memory,
-            not time (it measured slower than the model-dtype cache: docs/performance.md).
+            attention bytes). In the unified flow (`train_precision == rollout_precision`) it runs under the
+            exact contract (`exact_logprobs`), where the training forward's attention reads keys and values
+            as the cache stores them, so rollouts stay exactly on-policy; otherwise it departs from the
+            training forward and needs a corrector. docs/trainer.md#the-fp8-kv-cache says when it pays.
         rollout_keep_engine_state (`bool`, *optional*, defaults to `False`):
             `rollout_backend="engine"` (or `"auto"` choosing it) only: keep the engine's KV cache and CUDA
             graphs between rollouts instead of freeing them, so rollouts after the first skip the graph
@@ -154,9 +161,11 @@ class JetGRPOConfig(GRPOConfig):
             The exact on-policy contract: the engine's recorded log-probs are the training forward's, bit for
             bit (both phases run the batch-invariant ops of `jetrl_trainer.exact`), so the trainer uses them
             as the old log-probs and skips that no-grad forward. Needs the unified flow (`train_precision ==
-            rollout_precision`), `rollout_backend="engine"`, temperature-only sampling, the model-dtype KV cache
-            and no `compile_policy_forward`. `None`: on where all of that holds and the engine decodes on CPU;
-            off on CUDA, where the exact decode does not run the engine's kernels yet (docs/trainer.md).
+            rollout_precision`), `rollout_backend="engine"`, temperature-only sampling and no
+            `compile_policy_forward`; with `rollout_kv_cache_dtype="fp8"` the training forward reads keys and
+            values as the FP8 cache stores them. `None`: on where all of that holds and the engine decodes on
+            CPU, or where the unified flow uses the FP8 cache (which needs it); otherwise off on CUDA, where
+            the exact decode does not run the engine's kernels yet (docs/trainer.md).
         exact_check_every (`int`, *optional*, defaults to `10`):
             With exact log-probs: every N-th generation batch also runs the training forward, compares and logs
             `mismatch/logp_abs_diff_max` (0 when the contract holds) and `mismatch/logp_bits_equal_share`, and
@@ -332,14 +341,23 @@ class JetGRPOConfig(GRPOConfig):
             "is freed after each rollout. None = every sequence of the generation batch at once."
         },
     )
+    rollout_kv_cache_gib: float | None = field(
+        default=None,
+        metadata={
+            "help": "rollout_backend='engine' only: KV-cache budget in GiB. As many sequences decode at once as their "
+            "caches (longest prompt + max_completion_length positions, in the cache's format) fit in it, so the FP8 "
+            "cache (rollout_kv_cache_dtype='fp8') runs about twice the sequences of a BF16 one. With "
+            "rollout_kv_cache_tokens, the tighter of the two. None = no bound in memory."
+        },
+    )
     rollout_kv_cache_dtype: str = field(
         default="auto",
         metadata={
             "help": "rollout_backend='engine' only: 'auto' keeps the KV cache in the model dtype; 'fp8' stores keys "
             "and values in FP8 E4M3 with one FP32 scale per token and KV head (about half the cache memory and "
-            "attention bytes). It departs from the training forward: refused in the unified flow (train_precision "
-            "== rollout_precision), and needs a corrector to manage the mismatch. It saves memory, not time (it "
-            "measured slower than the model-dtype cache).",
+            "attention bytes). In the unified flow (train_precision == rollout_precision) it runs under the exact "
+            "contract (exact_logprobs), the training forward reading keys and values as the cache stores them; "
+            "otherwise it departs from the training forward and needs a corrector.",
             "choices": list(KV_CACHE_DTYPES),
         },
     )
@@ -358,9 +376,9 @@ class JetGRPOConfig(GRPOConfig):
             "help": "Exact on-policy log-probs: the engine's recorded log-probs equal the training forward's bit for "
             "bit (both phases run jetrl_trainer.exact's batch-invariant ops) and serve as the old log-probs, so "
             "that no-grad forward is skipped. Needs train_precision == rollout_precision, rollout_backend='engine', "
-            "temperature-only sampling, rollout_kv_cache_dtype='auto' and no compile_policy_forward. None: on where "
-            "all that holds and the engine decodes on CPU; off on CUDA, where the exact decode does not run the "
-            "engine's kernels yet."
+            "temperature-only sampling and no compile_policy_forward. None: on where all that holds and the engine "
+            "decodes on CPU, or the unified flow uses rollout_kv_cache_dtype='fp8'; otherwise off on CUDA, where "
+            "the exact decode does not run the engine's kernels yet."
         },
     )
     exact_check_every: int = field(
@@ -582,6 +600,10 @@ class JetGRPOConfig(GRPOConfig):
         tokens = self.rollout_kv_cache_tokens
         if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1):
             raise ValueError(f"rollout_kv_cache_tokens must be a positive integer, or None for no bound; got {tokens!r}.")
+        gib = self.rollout_kv_cache_gib
+        if gib is not None and (isinstance(gib, bool) or not isinstance(gib, (int, float)) or not 0 < gib < math.inf):
+            raise ValueError(f"rollout_kv_cache_gib must be a positive number of GiB (e.g. 40), or None for no bound; "
+                             f"got {gib!r}.")  # fmt: skip
         if self.rollout_backend == "continuous":
             self.use_transformers_continuous_batching = True  # TRL builds the engine config from this flag
         elif self.use_transformers_continuous_batching and self.rollout_backend != "auto":
@@ -605,18 +627,29 @@ class JetGRPOConfig(GRPOConfig):
                 f"rollout_backend='engine' (got {self.rollout_backend!r}) or leave rollout_kv_cache_dtype='auto'."
             )
         if self.train_precision == self.rollout_precision:
-            raise ValueError(
-                "rollout_kv_cache_dtype='fp8' makes rollouts attend over FP8 keys/values that the training forward "
-                f"never sees, which breaks the unified precision flow (train_precision = rollout_precision = "
-                f"{self.train_precision!r}) whose point is that rollouts are the training forward. Keep "
-                "rollout_kv_cache_dtype='auto' here, or manage the mismatch instead: rollout_precision different from "
-                "train_precision and a corrector (e.g. corrector='ais')."
-            )
+            self._check_unified_fp8_kv()
+            return
         if not self.corrector_active:
             raise ValueError(
                 "rollout_kv_cache_dtype='fp8' adds a rollout/training mismatch; set a corrector to manage it (e.g. "
                 "corrector='ais' or 'tis'), or leave rollout_kv_cache_dtype='auto'."
             )
+
+    def _check_unified_fp8_kv(self) -> None:
+        """The FP8 cache in the unified flow: the training forward reads keys and values as the cache stores
+        them, which it does under the exact contract only."""
+        if self.exact_logprobs is False:
+            raise ValueError(
+                "rollout_kv_cache_dtype='fp8' in the unified flow (train_precision = rollout_precision = "
+                f"{self.train_precision!r}) needs the exact contract, under which the training forward reads keys "
+                "and values as the FP8 cache stores them; without it rollouts attend over keys the training forward "
+                "never sees. Leave exact_logprobs=None (or True), keep rollout_kv_cache_dtype='auto', or manage the "
+                "mismatch instead: rollout_precision different from train_precision and a corrector."
+            )
+        unmet = self.exact_unmet()
+        if unmet is not None:
+            raise ValueError(f"rollout_kv_cache_dtype='fp8' in the unified flow runs under the exact contract, and {unmet}; "
+                             "or keep rollout_kv_cache_dtype='auto'.")  # fmt: skip
 
     def _check_vllm(self, as_set: str) -> None:
         """``rollout_backend="vllm"``: TRL's vLLM plumbing, with our corrector in place of TRL's IS correction.
@@ -693,8 +726,6 @@ class JetGRPOConfig(GRPOConfig):
         if self.rollout_backend != "engine":
             return (f"only the decode engine records the training forward's bits: set rollout_backend='engine' "
                     f"(got {self.rollout_backend!r})")  # fmt: skip
-        if self.rollout_kv_cache_dtype == "fp8":
-            return "the FP8 KV cache departs from the training forward: set rollout_kv_cache_dtype='auto'"
         if self.compile_policy_forward:
             return "a compiled training forward fuses its own kernels: set compile_policy_forward=False"
         kwargs = dict(self.generation_kwargs or {})

@@ -23,6 +23,7 @@ from transformers import GenerationConfig
 
 from jetrl_trainer.compiled_forward import CompiledBackbone
 from jetrl_trainer.exact import training_logprobs
+from jetrl_trainer.exact.mode import KVRoundtrip
 from jetrl_trainer.quant import PrecisionPhases
 from jetrl_trainer.rollout import position_ids_from_mask, processed_logprobs
 
@@ -122,12 +123,14 @@ class AutoregressiveScorer(PolicyScorer):
         autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
         compiled: CompiledBackbone | None = None,
         exact: bool = False,
+        kv_roundtrip: KVRoundtrip | None = None,
     ) -> None:
         self._trl_token_logps = trl_token_logps
         self.compiled = compiled  # compile_policy_forward: the policy's train-phase forwards, compiled
         # exact_logprobs: the training forward under the exact contract (jetrl_trainer.exact), whose
         # log-probs are the engine's recorded bits; TRL's fused LM head computes other bits.
         self.exact = exact
+        self.kv_roundtrip = kv_roundtrip  # the rollout cache's rounding of keys and values (FP8 cache), or None
         self._warp = dict(
             temperature=generation_config.temperature or 1.0,
             top_k=generation_config.top_k or 0,
@@ -142,7 +145,7 @@ class AutoregressiveScorer(PolicyScorer):
                 return training_logprobs(
                     model, input_ids, attention_mask, logits_to_keep, temperature=self._warp["temperature"],
                     batch_size=options.get("batch_size"), compute_entropy=options.get("compute_entropy", False),
-                    autocast=self._autocast,
+                    autocast=self._autocast, kv_roundtrip=self.kv_roundtrip,
                 )  # fmt: skip
             if self.compiled is None or not self.compiled.applies_to(model):
                 return self._trl_token_logps(model, input_ids, attention_mask, logits_to_keep, **options)

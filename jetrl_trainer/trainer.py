@@ -68,6 +68,7 @@ from jetrl_trainer.exact import ExactOps
 from jetrl_trainer.hub import update_model_card
 from jetrl_trainer.quant import PrecisionPhases, WeightCacheRefresh, quantize_model
 from jetrl_trainer.rollout import Rollout, VLLMSampling
+from jetrl_trainer.rollout.engine import kv_roundtrip
 
 __all__ = ["JetGRPOTrainer"]
 
@@ -140,6 +141,8 @@ class JetGRPOTrainer(GRPOTrainer):
             cuda=self.accelerator.device.type == "cuda",
         )  # fmt: skip
         logger.info("jetrl: exact on-policy log-probs %s (%s)", "on" if self.exact_logprobs else "off", why)
+        # With the FP8 KV cache the training forward's attention reads keys and values as the cache stores them.
+        self.exact_kv_roundtrip = kv_roundtrip(args.rollout_kv_cache_dtype) if self.exact_logprobs else None
         self._generation_batches = 0  # counts the exact contract's checks (exact_check_every)
         self.weight_cache_refresh: WeightCacheRefresh | None = None  # see _follow_optimizer
         self._ref_cache_refresh: WeightCacheRefresh | None = None
@@ -350,7 +353,7 @@ class JetGRPOTrainer(GRPOTrainer):
     def training_step(self, model, inputs, num_items_in_batch=None):
         self._follow_optimizer()
         # Exact log-probs: the backward under ExactOps too, where gradient checkpointing recomputes the forward.
-        with ExactOps.entered(self.exact_logprobs):
+        with ExactOps.entered(self.exact_logprobs, self.exact_kv_roundtrip):
             loss = super().training_step(model, inputs, num_items_in_batch)
         self._guard.observe_loss(loss)
         return loss

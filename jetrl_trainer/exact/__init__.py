@@ -7,7 +7,17 @@ docs/architecture.md#exact-on-policy states the contract and what breaks it.
 
 from .forward import training_logprobs
 from .mode import ExactOps, exact_sdpa
-from .ops import KV_TILE, ROWS, exact_attention, exact_linear, log_probs, row_invariant_matmul, row_mean, token_logprobs
+from .ops import (
+    KV_TILE,
+    ROWS,
+    exact_attention,
+    exact_linear,
+    log_probs,
+    row_invariant_matmul,
+    row_mean,
+    straight_through,
+    token_logprobs,
+)
 
 __all__ = [
     "KV_TILE",
@@ -19,6 +29,7 @@ __all__ = [
     "log_probs",
     "row_invariant_matmul",
     "row_mean",
+    "straight_through",
     "token_logprobs",
     "training_logprobs",
 ]

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from .mode import ExactOps
+from .mode import ExactOps, KVRoundtrip
 from .ops import token_logprobs
 
 __all__ = ["training_logprobs"]
@@ -24,14 +24,16 @@ def training_logprobs(
     model: nn.Module, input_ids: Tensor, attention_mask: Tensor, logits_to_keep: int, *, temperature: float,
     batch_size: int | None = None, compute_entropy: bool = False,
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    kv_roundtrip: KVRoundtrip | None = None,
 ) -> tuple[Tensor, Tensor | None, None]:  # fmt: skip
     """TRL's ``_get_per_token_logps_and_entropies`` contract, ``(logps, entropies, None)`` ``(B, T)``:
-    the log-probs of the last ``logits_to_keep`` tokens, ``batch_size`` rows per forward."""
+    the log-probs of the last ``logits_to_keep`` tokens, ``batch_size`` rows per forward; the attention
+    reads keys and values through ``kv_roundtrip`` (the rollout cache's, `ExactOps`)."""
     from trl.trainer.utils import entropy_from_logits  # TRL's, as its own log-prob path computes it
 
     batch_size = batch_size or input_ids.size(0)
     logps, entropies = [], []
-    with ExactOps.entered():
+    with ExactOps.entered(True, kv_roundtrip):
         for start in range(0, input_ids.size(0), batch_size):
             rows = slice(start, start + batch_size)
             with autocast():

@@ -10,13 +10,19 @@ so both compute with one implementation per op; outside it nothing changes. Thre
 torch function mode.
 
 Float64 products pass through untouched (the FP8 emulation's exact group sums), and so do integer ones.
+
+``kv_roundtrip``: how the rollout's KV cache stores keys and values, where it rounds them (the FP8
+cache, `rollout/engine/kv_cache.py`). The attention then reads every key (after RoPE) and value as
+the cache would return it, in the prefill, the training forward and its recomputation alike, so a
+decode step over the cache computes what the training forward computes; gradients pass straight
+through the rounding (`ops.straight_through`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -24,14 +30,17 @@ from torch.overrides import TorchFunctionMode
 
 from jetrl_trainer._choices import FLOAT_DTYPES
 
-from .ops import exact_attention, exact_linear, row_invariant_matmul, row_mean
+from .ops import exact_attention, exact_linear, row_invariant_matmul, row_mean, straight_through
 
-__all__ = ["ExactOps", "exact_sdpa"]
+__all__ = ["ExactOps", "KVRoundtrip", "exact_sdpa"]
+
+KVRoundtrip = Callable[[torch.Tensor], torch.Tensor]  # keys or values (..., head_dim) -> as a cache returns them
 
 _MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm, torch.bmm,
             torch.Tensor.bmm}  # fmt: skip
 _REDUCED_FLOATS = FLOAT_DTYPES  # float64 passes through
 _MEANS = {torch.mean, torch.Tensor.mean}
+_ROUTED = frozenset({F.linear, F.scaled_dot_product_attention, torch.Tensor.backward, *_MEANS, *_MATMULS})
 
 
 def _last_dim_mean(args: tuple, kwargs: dict) -> bool:
@@ -45,8 +54,10 @@ def _last_dim_mean(args: tuple, kwargs: dict) -> bool:
             and x.dtype in _REDUCED_FLOATS and set(kwargs) <= {"dim", "keepdim"})  # fmt: skip
 
 
-def exact_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    """``F.scaled_dot_product_attention``'s contract (no dropout), computed by `exact_attention`."""
+def exact_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
+               *, kv_roundtrip: KVRoundtrip | None = None):  # fmt: skip
+    """``F.scaled_dot_product_attention``'s contract (no dropout), computed by `exact_attention`; keys and
+    values first pass through ``kv_roundtrip`` where one is given (`ExactOps`)."""
     if dropout_p:
         raise ValueError("exact log-probs need deterministic attention: set the model's attention_dropout to 0.")
     s, t = query.shape[-2], key.shape[-2]
@@ -62,13 +73,15 @@ def exact_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
     if valid.shape[1] != 1:
         raise ValueError("exact attention takes one mask for all heads; got a per-head mask.")
     scale = query.shape[-1] ** -0.5 if scale is None else scale
+    if kv_roundtrip is not None:
+        key, value = straight_through(key, kv_roundtrip), straight_through(value, kv_roundtrip)
     return exact_attention(query, key, value, valid.expand(query.shape[0], 1, s, t)[:, 0], scale)
 
 
 _open = threading.local()  # how many `ExactOps.entered` blocks this thread is inside
 
 
-def _backward_in_mode(tensor, gradient=None, retain_graph=None, create_graph=False, inputs=None):
+def _backward_in_mode(mode: ExactOps, tensor, gradient=None, retain_graph=None, create_graph=False, inputs=None):
     """``tensor.backward(...)`` with a fresh `ExactOps` on the stack while autograd's engine runs.
 
     A mode is off inside its own handler, and gradient checkpointing recomputes the forward inside the
@@ -80,30 +93,39 @@ def _backward_in_mode(tensor, gradient=None, retain_graph=None, create_graph=Fal
     if engine is None or make_grads is None or inputs is not None:  # another torch: the plain backward
         return torch.Tensor.backward(tensor, gradient, retain_graph, create_graph, inputs=inputs)
     grads = make_grads((tensor,), (gradient,), is_grads_batched=False)
-    with ExactOps():
+    with ExactOps(kv_roundtrip=mode.kv_roundtrip):
         engine((tensor,), grads, create_graph if retain_graph is None else retain_graph, create_graph, (),
                allow_unreachable=True, accumulate_grad=True)  # fmt: skip
 
 
 class ExactOps(TorchFunctionMode):
     """Routes ``F.linear``, matmuls, ``F.scaled_dot_product_attention`` and the RMSNorm's mean of floats to
-    the batch-invariant ops, and runs ``Tensor.backward`` with the mode kept (`_backward_in_mode`)."""
+    the batch-invariant ops, and runs ``Tensor.backward`` with the mode kept (`_backward_in_mode`).
+    ``kv_roundtrip``: see the module docstring."""
+
+    def __init__(self, kv_roundtrip: KVRoundtrip | None = None) -> None:
+        super().__init__()
+        self.kv_roundtrip = kv_roundtrip
 
     @staticmethod
     @contextlib.contextmanager
-    def entered(enabled: bool = True) -> Iterator[None]:
+    def entered(enabled: bool = True, kv_roundtrip: KVRoundtrip | None = None) -> Iterator[None]:
         """The mode for the block where ``enabled``, entered once however deeply the blocks nest (a mode
-        inside itself would chunk its own chunked products again)."""
+        inside itself would chunk its own chunked products again). A nested block asking for another
+        ``kv_roundtrip`` than the open one is a bug that would break the contract: it raises."""
         depth = getattr(_open, "depth", 0)
+        if enabled and depth and kv_roundtrip is not None and kv_roundtrip is not _open.kv_roundtrip:
+            raise RuntimeError(f"ExactOps is open with kv_roundtrip={_open.kv_roundtrip!r}; a block inside it asked "
+                               f"for {kv_roundtrip!r}. Open the mode once, with the rollout cache's roundtrip.")  # fmt: skip
         if not enabled or depth:
             yield
             return
-        _open.depth = 1
+        _open.depth, _open.kv_roundtrip = 1, kv_roundtrip
         try:
-            with ExactOps():
+            with ExactOps(kv_roundtrip):
                 yield
         finally:
-            _open.depth = 0
+            _open.depth, _open.kv_roundtrip = 0, None
 
     @staticmethod
     def active() -> bool:
@@ -112,16 +134,18 @@ class ExactOps(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func not in _ROUTED:  # most calls: one set lookup
+            return func(*args, **kwargs)
         if func is F.linear:
             x = args[0]
             if x.dtype in _REDUCED_FLOATS:
                 return exact_linear(*args, **kwargs)
         elif func is F.scaled_dot_product_attention:
-            return exact_sdpa(*args, **kwargs)
+            return exact_sdpa(*args, **kwargs, kv_roundtrip=self.kv_roundtrip)
         elif func in _MEANS and _last_dim_mean(args, kwargs):
             return row_mean(args[0])
         elif func is torch.Tensor.backward:
-            return _backward_in_mode(*args, **kwargs)
+            return _backward_in_mode(self, *args, **kwargs)
         elif func in _MATMULS and not kwargs:
             a, b = args
             if a.dtype in _REDUCED_FLOATS and a.dim() >= 2 and b.dim() >= 2:

@@ -28,6 +28,8 @@ block, measured invariant). Plain torch on every device but for the CUDA matmul 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -42,6 +44,7 @@ __all__ = [
     "log_probs",
     "row_invariant_matmul",
     "row_mean",
+    "straight_through",
     "token_logprobs",
 ]
 
@@ -78,6 +81,20 @@ class _InvariantMatmul(torch.autograd.Function):
         return grad_a, grad_b
 
 
+def _plain_torch(fn):
+    """Run ``fn`` with torch's function handling off: these ops call the invariant products themselves, and
+    under `ExactOps` each torch call inside would pass through the mode's handler again, a product being
+    chunked twice (a decode step on CPU spent most of its time there)."""
+
+    @functools.wraps(fn)
+    def plain(*args, **kwargs):
+        with torch._C.DisableTorchFunction():  # private, but the one switch that also covers modes
+            return fn(*args, **kwargs)
+
+    return plain
+
+
+@_plain_torch
 def _invariant_matmul(a: Tensor, b: Tensor) -> Tensor:
     m, k = a.shape[-2:]
     n = b.shape[-1]
@@ -152,6 +169,7 @@ def _shift_left(x: Tensor, offsets: Tensor, fill) -> Tensor:
     return torch.where(inside.view(shape), gathered, fill)
 
 
+@_plain_torch
 def exact_attention(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, scale: float) -> Tensor:
     """Softmax attention ``(B, H, S, D)`` of q ``(B, H, S, D)`` over k / v ``(B, H_kv, T, D)`` (GQA:
     query head ``h`` reads KV head ``h // (H / H_kv)``), query ``s`` reading the keys where
@@ -190,6 +208,27 @@ def exact_attention(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, scale: f
             m = m_new
         out = acc[..., :d] / acc[..., d:]
     return out.view(b, h, s, d).to(q.dtype)
+
+
+def straight_through(x: Tensor, roundtrip) -> Tensor:
+    """``roundtrip(x)`` in the forward, the identity's gradient in the backward.
+
+    For keys and values read as a quantized KV cache stores them (`ExactOps`' ``kv_roundtrip``): the
+    rounding has a zero gradient almost everywhere, so the useful gradient is the attention's at the
+    rounded point passed through to the unrounded keys, as the FP8 linears pass theirs to their inputs.
+    ``x + (roundtrip(x) - x).detach()`` would round twice and change the forward's bits."""
+    return _StraightThrough.apply(x, roundtrip)
+
+
+class _StraightThrough(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, roundtrip) -> Tensor:
+        ctx.dtype = x.dtype
+        return roundtrip(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+        return grad.to(ctx.dtype), None
 
 
 def log_probs(logits: Tensor, temperature: float = 1.0) -> Tensor:

@@ -72,6 +72,10 @@ def test_config_field_validates_once(tmp_path):
     for bad in (0, -3, 2.5, True):
         with pytest.raises(ValueError, match="rollout_kv_cache_tokens must be a positive integer"):
             make_args(tmp_path, rollout_backend="engine", rollout_kv_cache_tokens=bad)
+    assert make_args(tmp_path, rollout_backend="engine", rollout_kv_cache_gib=40).rollout_kv_cache_gib == 40
+    for bad in (0, -1.5, float("inf"), float("nan"), True, "40"):
+        with pytest.raises(ValueError, match="rollout_kv_cache_gib must be a positive number of GiB"):
+            make_args(tmp_path, rollout_backend="engine", rollout_kv_cache_gib=bad)
     with pytest.raises(ValueError, match="contradicts rollout_backend='hf'"):
         make_args(tmp_path, rollout_backend="hf", use_transformers_continuous_batching=True)
 

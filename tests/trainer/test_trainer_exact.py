@@ -46,6 +46,19 @@ def test_a_grpo_step_is_exactly_on_policy(tmp_path, overrides):
     _assert_exact(logs)
 
 
+@pytest.mark.parametrize("overrides", [dict(), dict(gradient_checkpointing=True, num_iterations=2)],
+                         ids=["plain", "checkpointing"])  # fmt: skip
+def test_the_fp8_kv_cache_in_the_unified_flow_is_exactly_on_policy(tmp_path, overrides):
+    """``rollout_kv_cache_dtype='fp8'`` in ``fp8/fp8``: the training forward reads keys and values as the
+    cache stores them (also where gradient checkpointing recomputes it), so the contract holds."""
+    trainer = make_trainer(tmp_path, exact_check_every=1, train_precision="fp8", rollout_precision="fp8",
+                           rollout_kv_cache_dtype="fp8", **EXACT, **overrides)  # fmt: skip
+    assert trainer.exact_logprobs and trainer.exact_kv_roundtrip is not None
+    assert trainer.rollout_backend.kv_cache_dtype == "fp8"
+    logs, _ = train(trainer)
+    _assert_exact(logs)
+
+
 def test_with_lora(tmp_path):
     lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "up_proj"],
                       task_type="CAUSAL_LM")  # fmt: skip

@@ -10,6 +10,7 @@
 from .architecture import SUPPORTED_MODEL_TYPES, DecoderView, unsupported_model_reason
 from .backend import EngineBackend
 from .engine import DecodeEngine
+from .kv_cache import fp8_kv_roundtrip, kv_roundtrip
 from .plan import DecodePlan, LayerPlan
 from .sampling import TokenSampler, unsupported_generation_reason
 from .settings import EngineSettings
@@ -23,6 +24,8 @@ __all__ = [
     "EngineSettings",
     "LayerPlan",
     "TokenSampler",
+    "fp8_kv_roundtrip",
+    "kv_roundtrip",
     "unsupported_generation_reason",
     "unsupported_model_reason",
 ]

@@ -132,7 +132,8 @@ class DecodeRows:
 def exact_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, scaling: float) -> Tensor:
     """`decode_attention` computed by `jetrl_trainer.exact.exact_attention`: for each row, the bits the
     training forward's attention gives the same query (its tiles start at the row's first real key,
-    which the cache holds at position 0)."""
+    which the cache holds at position 0). An FP8 cache's keys and values come dequantized to FP32, as
+    the training forward's attention reads them under the exact contract (`kv_cache.fp8_kv_roundtrip`)."""
     live = int(lengths.max())
     valid = torch.arange(live, device=q.device)[None, None, :] < lengths[:, None, None]  # (B, 1, T)
     return exact_attention(q[:, :, None], k_cache[:, :, :live], v_cache[:, :, :live], valid, scaling)[:, :, 0]
@@ -143,7 +144,7 @@ class TorchAttention:
     (``exact``: the exact attention instead, `exact_decode_attention`)."""
 
     def __init__(self, view: DecoderView, rows: DecodeRows, exact: bool = False) -> None:
-        self.view, self.rows = view, rows
+        self.view, self.rows, self.exact = view, rows, exact
         self.decode_attention = exact_decode_attention if exact else decode_attention
 
     def attend(self, i: int, plan: LayerPlan, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor) -> Activation:
@@ -152,7 +153,9 @@ class TorchAttention:
         rows = self.rows
         q, k = self.view.apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # (B, H, 1, D)
         rows.cache.append(i, rows.slots, k[:, :, 0], v[:, 0])
-        out = self.decode_attention(q[:, :, 0], *rows.cache.read(i, rows.slots), rows.lengths, self.view.scaling)
+        live = int(rows.lengths.max())
+        kv = rows.cache.read(i, rows.slots, live, dtype=torch.float32 if self.exact else None)
+        out = self.decode_attention(q[:, :, 0], *kv, rows.lengths, self.view.scaling)
         return Activation(out.reshape(out.shape[0], 1, -1))
 
 

@@ -17,6 +17,7 @@ from ..hf_generate import HFGenerateBackend
 from .architecture import unsupported_model_reason
 from .attention import arithmetic_note
 from .engine import DecodeEngine, _module_ids
+from .kv_cache import KVCache
 from .settings import EngineSettings
 from .sampling import unsupported_generation_reason
 
@@ -35,6 +36,8 @@ class EngineBackend(RolloutBackend):
 
     ``kv_cache_tokens`` bounds the KV cache: at most ``kv_cache_tokens // (longest prompt +
     max_new_tokens)`` sequences decode at once (the rest wait for a slot); ``None`` = all of them.
+    ``kv_cache_bytes`` bounds it in memory instead (`KVCache.bytes_per_token` of the model and cache
+    format), so the FP8 cache holds about twice the sequences of a BF16 one; with both, the tighter.
     ``kv_cache_dtype="fp8"`` stores the cache in FP8 (see :class:`~.kv_cache.KVCache`).
     ``keep_state=True`` keeps one engine with its KV cache and CUDA graphs between calls
     (:class:`~.engine.DecodeEngine`), so rollouts after the first skip the graph captures; the memory
@@ -49,7 +52,8 @@ class EngineBackend(RolloutBackend):
 
     def __init__(
         self, *, eos_token_ids: Sequence[int], pad_token_id: int, fallback: HFGenerateBackend,
-        kv_cache_tokens: int | None = None, kv_cache_dtype: str = "auto", requested: str = "engine",
+        kv_cache_tokens: int | None = None, kv_cache_bytes: int | None = None, kv_cache_dtype: str = "auto",
+        requested: str = "engine",
         keep_state: bool = False, pad_to_multiple_of: int | None = None, exact: bool = False,
         autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     ) -> None:  # fmt: skip
@@ -58,6 +62,7 @@ class EngineBackend(RolloutBackend):
         self.pad_token_id = pad_token_id
         self.fallback = fallback
         self.kv_cache_tokens = kv_cache_tokens
+        self.kv_cache_bytes = kv_cache_bytes
         self.kv_cache_dtype = check_choice("kv_cache_dtype", kv_cache_dtype, KV_CACHE_DTYPES)
         self._said: set[str] = set()  # notes already logged (fallback reasons, the attention match)
         self.keep_state = keep_state
@@ -79,8 +84,8 @@ class EngineBackend(RolloutBackend):
             self._say_once((level, f"jetrl: rollout_backend={self.requested!r} falls back to 'hf': {reason}"))
             self.last_stats = {}  # this rollout did not run the engine
             return self.fallback.generate(model, prompt_ids, sampling)
-        max_batch_size = self._max_batch_size(prompt_ids, sampling)
         engine = self._engine_for(model)
+        max_batch_size = self._max_batch_size(engine, prompt_ids, sampling)
         if not engine.settings.exact:  # the exact attention is the training forward's own
             self._say_once(arithmetic_note(engine.training_attention))
         seed = int(torch.randint(0, 2**62, ()).item())
@@ -124,13 +129,27 @@ class EngineBackend(RolloutBackend):
         if self._engine is not None:
             self._engine.release_state()
 
-    def _max_batch_size(self, prompt_ids: Sequence[Sequence[int]], sampling: GenerationConfig) -> int | None:
-        if self.kv_cache_tokens is None:
-            return None
+    def _max_batch_size(self, engine: DecodeEngine, prompt_ids: Sequence[Sequence[int]],
+                        sampling: GenerationConfig) -> int | None:  # fmt: skip
+        """Sequences that decode at once under the token and memory budgets (None: all of them)."""
         per_sequence = max(map(len, prompt_ids)) + sampling.max_new_tokens
-        if self.kv_cache_tokens < per_sequence:
-            raise ValueError(
-                f"rollout_kv_cache_tokens={self.kv_cache_tokens} cannot hold one sequence of {per_sequence} tokens "
-                "(longest prompt + max_completion_length); raise it or leave it None."
-            )
-        return self.kv_cache_tokens // per_sequence
+        budgets = []
+        if self.kv_cache_tokens is not None:
+            if self.kv_cache_tokens < per_sequence:
+                raise ValueError(
+                    f"rollout_kv_cache_tokens={self.kv_cache_tokens} cannot hold one sequence of {per_sequence} tokens "
+                    "(longest prompt + max_completion_length); raise it or leave it None."
+                )
+            budgets.append(self.kv_cache_tokens // per_sequence)
+        if self.kv_cache_bytes is not None:
+            v = engine.view
+            token = KVCache.bytes_per_token(num_layers=len(v.layers), num_kv_heads=v.num_kv_heads, head_dim=v.head_dim,
+                                            dtype=v.dtype, fp8=engine.kv_fp8)  # fmt: skip
+            if self.kv_cache_bytes < per_sequence * token:
+                raise ValueError(
+                    f"rollout_kv_cache_gib={self.kv_cache_bytes / 2**30:.3g} cannot hold one sequence of {per_sequence} "
+                    f"tokens (longest prompt + max_completion_length) at {token} bytes a token "
+                    f"({per_sequence * token / 2**30:.3g} GiB); raise it, use rollout_kv_cache_dtype='fp8', or leave it None."
+                )  # fmt: skip
+            budgets.append(self.kv_cache_bytes // (per_sequence * token))
+        return min(budgets) if budgets else None

@@ -39,7 +39,7 @@ from ..hf_generate import left_pad, position_ids_from_mask
 from .architecture import DecoderView
 from .attention import DecodeRows, KernelAttention, TorchAttention, matched_arithmetic, training_attention_backend
 from .graphs import DecodeGraphs, cuda_graphs_available
-from .kv_cache import KVCache
+from .kv_cache import KVCache, kv_roundtrip
 from .layers import decode_hidden_states
 from .plan import plan_decode
 from .sampling import TokenSampler, unsupported_generation_reason
@@ -109,10 +109,8 @@ class DecodeEngine:
         self.settings = dataclasses.replace(settings, decode_path=_decode_path(settings, self.view.device))
         self.on_kernels = self.settings.decode_path != "torch"
         self.plan = plan_decode(self.view, self.on_kernels)
-        self.kv_fp8 = check_choice("kv_cache_dtype", kv_cache_dtype, KV_CACHE_DTYPES) == "fp8"
-        if self.kv_fp8 and self.settings.exact:
-            raise ValueError("EngineSettings(exact=True) needs the model-dtype KV cache: the FP8 cache departs from "
-                             "the training forward. Use kv_cache_dtype='auto'.")  # fmt: skip
+        self.kv_cache_dtype = check_choice("kv_cache_dtype", kv_cache_dtype, KV_CACHE_DTYPES)
+        self.kv_fp8 = self.kv_cache_dtype == "fp8"
         self.keep_state = keep_state
         self._kept: _DecodeState | None = None
         # The SDPA backend of the training forward's attention, and the decode kernel's tile size and
@@ -151,7 +149,8 @@ class DecodeEngine:
         started_at = time.perf_counter()
         distinct: dict[tuple[int, ...], int] = {}
         seqs = [Seq(i, distinct.setdefault(tuple(p), len(distinct))) for i, p in enumerate(prompt_ids)]
-        with ExactOps.entered(self.settings.exact):  # the prefill and every decode step
+        # The prefill and every decode step; the prefill's attention reads keys and values as the cache will.
+        with ExactOps.entered(self.settings.exact, kv_roundtrip(self.kv_cache_dtype)):
             keys, values, first_logits = self.prefill(list(distinct), pad_token_id, pad_to_multiple_of)
             prefilled_at = time.perf_counter()  # the host's side: the GPU may still be prefilling
             slots = min(len(seqs), max_batch_size or len(seqs))
@@ -230,7 +229,8 @@ class DecodeEngine:
         """Keys/values per layer ``(N, H_kv, P, D)`` of the left-padded distinct prompts, and the
         FP32 logits ``(N, V)`` at each prompt's last token.
 
-        The model's own forward, as ``generate``'s prefill calls it: transformers builds the mask and
+        The model's own forward, as ``generate``'s prefill calls it (under ``exact``, in chunks of
+        ``EngineSettings.prefill_chunk`` positions, with the same bits): transformers builds the mask and
         picks the attention kernel, so a prompt's KV and first-token logits are the bits the training
         forward computes for the same prompt (an engine-owned masked prefill measured further from
         the training forward on the first token; docs/history.md §7)."""
@@ -239,8 +239,12 @@ class DecodeEngine:
         ids, mask = ids.to(v.device), mask.to(v.device)
         positions = position_ids_from_mask(mask)  # as generate's prepare_inputs
         cache = DynamicCache()
-        out = v.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                      use_cache=True, logits_to_keep=1)  # fmt: skip
+        # Exact: a chunk of positions per forward over the cache of the earlier ones (the same bits).
+        chunk = self.settings.prefill_chunk if self.settings.exact else ids.shape[1]
+        for start in range(0, ids.shape[1], chunk):
+            end = start + chunk
+            out = v.model(input_ids=ids[:, start:end], attention_mask=mask[:, :end], position_ids=positions[:, start:end],
+                          past_key_values=cache, use_cache=True, logits_to_keep=1)  # fmt: skip
         keys = [layer.keys for layer in cache.layers]
         values = [layer.values for layer in cache.layers]
         return keys, values, out.logits[:, -1].float()

@@ -6,9 +6,12 @@ takes it, so the cache is sized by the number of sequences decoded at once, not 
 
 ``fp8=True`` stores keys and values as FP8 E4M3 with one FP32 scale per (token, KV head): each
 head vector is quantized as one group (``quantize_fp8_groups(x, group=head_dim)``, the library's
-reference numerics) and read back as ``(q * scale)`` rounded to the model dtype. About half the
-memory and attention bytes, at the price of a rollout that departs from the training forward
-(``JetGRPOConfig`` allows it only with a corrector, outside the unified flow).
+reference numerics) and read back as ``q * scale``. About half the memory and attention bytes. The
+rollout then attends over other keys and values than a plain training forward, unless that forward
+reads them the same way: `fp8_kv_roundtrip` is what the cache does to a key or value, and under the
+exact contract (`ExactOps(kv_roundtrip=...)`) the training forward's attention applies it too, so the
+unified flow stays exactly on-policy with the FP8 cache. Without the exact contract ``JetGRPOConfig``
+allows the FP8 cache only with a corrector, outside the unified flow.
 """
 
 from __future__ import annotations
@@ -18,7 +21,20 @@ from torch import Tensor
 
 from jetrl_trainer.quant.fp8 import FP8_DTYPE, dequantize_fp8_groups, quantize_fp8_groups
 
-__all__ = ["KVCache"]
+__all__ = ["KVCache", "fp8_kv_roundtrip", "kv_roundtrip"]
+
+
+def fp8_kv_roundtrip(x: Tensor) -> Tensor:
+    """A key or value ``(..., head_dim)`` (any float dtype) as the FP8 cache stores and returns it: FP32
+    ``q * scale``, exactly what `KVCache.read` gives for ``dtype=torch.float32``."""
+    q, s = quantize_fp8_groups(x, x.shape[-1])
+    return dequantize_fp8_groups(q, s, x.shape[-1], torch.float32)
+
+
+def kv_roundtrip(kv_cache_dtype: str):
+    """What a cache of ``kv_cache_dtype`` does to keys and values (`ExactOps`' ``kv_roundtrip``): None
+    where it keeps them as they are."""
+    return fp8_kv_roundtrip if kv_cache_dtype == "fp8" else None
 
 
 class KVCache:
@@ -39,6 +55,13 @@ class KVCache:
         # Left-padding positions before each slot's prompt in the training forward's padded batch: the
         # decode attention kernel lines its tiles up with that forward's (kernels/triton_decode_attention).
         self.pads = torch.zeros(num_slots, dtype=torch.long, device=device)
+
+    @staticmethod
+    def bytes_per_token(*, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, fp8: bool) -> int:
+        """Cache bytes one position of one sequence takes: keys and values of every layer and KV head,
+        FP8 with their FP32 scales (an 8B Qwen3: 147,456 in BF16, 76,032 in FP8)."""
+        per_vector = head_dim + 4 if fp8 else head_dim * dtype.itemsize
+        return 2 * num_layers * num_kv_heads * per_vector
 
     @property
     def fp8(self) -> bool:
@@ -90,12 +113,16 @@ class KVCache:
         """Write one new token per row (``k``, ``v``: ``(B, kv_heads, head_dim)``) at ``lengths[slots]``."""
         self._write((layer, slots, slice(None), self.lengths[slots]), self.encode(k), self.encode(v))
 
-    def read(self, layer: int, slots: Tensor) -> tuple[Tensor, Tensor]:
-        """The rows' keys and values ``(B, kv_heads, max_len, head_dim)`` in the model dtype."""
-        k, v = self.k[layer, slots], self.v[layer, slots]
+    def read(self, layer: int, slots: Tensor, length: int | None = None,
+             dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:  # fmt: skip
+        """The rows' keys and values ``(B, kv_heads, length or max_len, head_dim)``: the first ``length``
+        positions, in the cache's dtype, an FP8 cache's dequantized to ``dtype`` (default the model dtype;
+        FP32 gives `fp8_kv_roundtrip`'s values)."""
+        positions = slice(0, length)
+        k, v = self.k[layer, slots, :, positions], self.v[layer, slots, :, positions]
         if not self.fp8:
             return k, v
         return tuple(
-            dequantize_fp8_groups(x, s[layer, slots][..., None], x.shape[-1], self.dtype)
+            dequantize_fp8_groups(x, s[layer, slots, :, positions][..., None], x.shape[-1], dtype or self.dtype)
             for x, s in ((k, self.k_scale), (v, self.v_scale))
         )

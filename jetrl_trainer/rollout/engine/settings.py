@@ -42,14 +42,24 @@ class EngineSettings:
             `ExactOps`, the exact attention over the cache), so that every recorded log-prob is the bit
             the training forward under `ExactOps` computes (docs/architecture.md#exact-on-policy). It runs
             the ``"torch"`` decode path on any device: the kernel path has no exact kernels yet.
+        prefill_chunk: with ``exact``, the prefill runs the prompts ``prefill_chunk`` positions per
+            forward, attending over the earlier chunks' keys, so a long prompt's activations are
+            held a chunk at a time. Under the exact ops a query's bits do not depend on which others
+            share its forward, so the prefill's bits are the unchunked ones (tests/exact/). Without
+            ``exact`` the prefill runs whole: a chunked one would sum in another order than the
+            training forward's attention.
     """
 
     decode_path: Optional[str] = None
     attention: DecodeAttentionSettings = field(default_factory=DecodeAttentionSettings)
     attention_order: Optional[SDPBackend] = None
     exact: bool = False
+    prefill_chunk: int = 1024
 
     def __post_init__(self) -> None:
+        chunk = self.prefill_chunk
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+            raise ValueError(f"EngineSettings.prefill_chunk must be a positive number of positions; got {chunk!r}.")
         if self.decode_path is not None:
             check_choice("EngineSettings.decode_path", self.decode_path, DECODE_PATHS)
         if self.attention_order is not None and self.attention_order not in MATCHED_BACKENDS:

@@ -24,6 +24,7 @@ from transformers import GenerationConfig
 from jetrl_trainer.quant import PrecisionPhases, quantize_model
 from jetrl_trainer.rollout import HFGenerateBackend, left_pad, processed_logprobs, truncate_after_eos
 from jetrl_trainer.rollout.engine import DecodeEngine, EngineBackend, EngineSettings, unsupported_model_reason
+from jetrl_trainer.rollout.engine.kv_cache import KVCache
 from jetrl_trainer.tiny import build_tiny_llada, build_tiny_llama, build_tiny_qwen2, build_tiny_qwen3
 
 TOL = 1e-4
@@ -312,6 +313,33 @@ def test_kv_budget_smaller_than_one_sequence_is_refused():
     backend.kv_cache_tokens = 8
     with pytest.raises(ValueError, match="rollout_kv_cache_tokens=8 cannot hold one sequence of 15 tokens"):
         backend.generate(build_tiny_qwen3(tokenizer()).eval(), PROMPTS, _config(do_sample=True))
+
+
+def test_a_kv_budget_in_memory_runs_about_twice_the_sequences_with_the_fp8_cache():
+    """rollout_kv_cache_gib: the slots are the budget over one sequence's cache in the cache's format;
+    the tiny model's 32-wide heads take 64 bytes a vector in BF16 and 36 in FP8 (scale included)."""
+    model = build_tiny_qwen3(tokenizer(), dtype=torch.bfloat16).eval()
+    layers, kv_heads, head_dim = model.config.num_hidden_layers, model.config.num_key_value_heads, 32
+    per_sequence = max(map(len, PROMPTS)) + 10  # longest prompt + max_new_tokens
+    bf16_token = 2 * layers * kv_heads * head_dim * 2
+    budget = 2 * per_sequence * bf16_token  # two BF16 sequences
+    slots = {}
+    for dtype in ("auto", "fp8"):
+        backend = _backend(kv_cache_bytes=budget, kv_cache_dtype=dtype)
+        rollout = backend.generate(model, PROMPTS, _config(do_sample=True))
+        assert len(rollout.completion_ids) == len(PROMPTS)
+        cache_bytes = backend.last_stats["kv_cache_bytes"]
+        slots[dtype] = round(cache_bytes / (per_sequence * bf16_token * (1 if dtype == "auto" else 36 / 64)))
+        assert cache_bytes <= budget + 16 * slots[dtype]  # + the slots' lengths and pads
+    assert slots == {"auto": 2, "fp8": 3}  # 2 * 64 / 36 = 3.6 FP8 sequences
+    with pytest.raises(ValueError, match="rollout_kv_cache_gib=.* cannot hold one sequence of 15 tokens"):
+        _backend(kv_cache_bytes=per_sequence * bf16_token - 1).generate(model, PROMPTS, _config(do_sample=True))
+
+
+def test_cache_bytes_per_token_at_8b_shapes():
+    shape = dict(num_layers=36, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+    assert KVCache.bytes_per_token(**shape, fp8=False) == 147_456  # 36 x 8 x 128 x 2 (K, V) x 2 bytes
+    assert KVCache.bytes_per_token(**shape, fp8=True) == 76_032  # 1 byte a value + a 4-byte scale a vector
 
 
 @pytest.mark.parametrize("strategy", [("fp8", "fp8", "none"), ("bf16", "fp8", "ais")], ids=["unified", "baseline"])

@@ -59,9 +59,12 @@ def test_engine_attends_over_fp8_keys_and_values():
 
 
 def test_the_config_refuses_fp8_kv_where_it_breaks_the_unified_flow_or_goes_unmanaged(tmp_path):
-    with pytest.raises(ValueError, match="breaks the unified precision flow"):
-        make_args(tmp_path, rollout_backend="engine", rollout_kv_cache_dtype="fp8", train_precision="fp8",
-                  rollout_precision="fp8", corrector="ais")  # fmt: skip
+    unified = dict(rollout_backend="engine", rollout_kv_cache_dtype="fp8", train_precision="fp8", rollout_precision="fp8")
+    with pytest.raises(ValueError, match="needs the exact contract"):
+        make_args(tmp_path, exact_logprobs=False, **unified)
+    with pytest.raises(ValueError, match="runs under the exact contract.*leave top_k"):
+        make_args(tmp_path, top_k=5, **unified)
+    assert make_args(tmp_path, **unified).rollout_kv_cache_dtype == "fp8"  # exact_logprobs=None turns it on
     with pytest.raises(ValueError, match="set a corrector"):
         make_args(tmp_path, rollout_backend="engine", rollout_kv_cache_dtype="fp8", train_precision="bf16",
                   rollout_precision="fp8", corrector="none")  # fmt: skip

@@ -45,6 +45,9 @@ def test_settings_are_frozen_and_refuse_unknown_choices():
         EngineSettings(attention_order=SDPBackend.MATH)
     with pytest.raises(ValueError, match="must be a DecodeAttentionSettings"):
         EngineSettings(attention={"num_warps": 8})
+    for bad in (0, -64, 2.5, True):
+        with pytest.raises(ValueError, match="prefill_chunk must be a positive number of positions"):
+            EngineSettings(prefill_chunk=bad)
 
 
 def test_the_decode_path_resolves_for_the_device_and_the_kernels_are_refused_off_cuda():
