@@ -24,6 +24,7 @@ from dataclasses import dataclass
 __all__ = [
     "DecodeAttentionSettings",
     "DecodeGemmSettings",
+    "ExactAttentionSettings",
     "InvariantMatmulSettings",
     "QuantKernelSettings",
     "TritonGemmSettings",
@@ -152,6 +153,27 @@ class TritonGemmSettings:
 
     def __post_init__(self) -> None:
         _positive(self, "block_m", "block_n", "group_m", "num_warps", "num_stages")
+
+
+@dataclass(frozen=True)
+class ExactAttentionSettings:
+    """The exact attention kernel (``kernels/triton_exact_attention.py``). Its key tile and row block
+    fix every query's summation order, so the rollout and the training forward must launch it with
+    the same object: ``jetrl_trainer.exact`` holds the one both use.
+
+    Parameters:
+        block_m: query rows per program (a decode step's GQA group is padded up to it).
+        block_n: keys per tile, counted from each batch row's first real key.
+        num_warps, num_stages: Triton launch parameters.
+    """
+
+    block_m: int = 16
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        _positive(self, "block_m", "block_n", "num_warps", "num_stages")
 
 
 @dataclass(frozen=True)

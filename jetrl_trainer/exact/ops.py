@@ -15,7 +15,8 @@ from each padded row's position 0. So these functions fix the shapes the hardwar
   row's first real key (left padding removed), tile by tile in order, with the online-softmax update
   in FP32. A query's output is a function of its own keys and values only, whether the call holds
   one query (a decode step) or a whole sequence (prefill, the training forward); tiles a query
-  cannot see add exact zeros. The backward is autograd's through these ops.
+  cannot see add exact zeros. The backward is autograd's through these ops. On CUDA one Triton
+  kernel with the same structure (`kernels/triton_exact_attention.py`) computes it in both phases.
 * `row_mean`: the RMSNorm's mean of squares as a product with a ones column.
 * `log_probs` / `token_logprobs`: temperature and log-softmax, one row at a time, as the sampler
   and the training forward both call it.
@@ -34,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from jetrl_trainer.kernels.settings import InvariantMatmulSettings
+from jetrl_trainer.kernels.settings import ExactAttentionSettings, InvariantMatmulSettings
 
 __all__ = [
     "KV_TILE",
@@ -51,8 +52,9 @@ __all__ = [
 ROWS = 16  # rows per GEMM: the decode batch pads up to it, so keep it small
 KV_TILE = 64  # keys per attention tile
 
-_MASKED = torch.finfo(torch.float32).min
-MATMUL = InvariantMatmulSettings()  # the CUDA kernel's tiles: both phases launch it with this one  # finite, so a query with no key left gives no NaN
+_MASKED = torch.finfo(torch.float32).min  # finite, so a query with no key left gives no NaN
+ATTENTION = ExactAttentionSettings()  # the CUDA attention kernel's tiles: both phases launch it with this one
+MATMUL = InvariantMatmulSettings()  # the CUDA matmul kernel's tiles: both phases launch it with this one
 
 
 def row_invariant_matmul(a: Tensor, b: Tensor) -> Tensor:
@@ -169,7 +171,6 @@ def _shift_left(x: Tensor, offsets: Tensor, fill) -> Tensor:
     return torch.where(inside.view(shape), gathered, fill)
 
 
-@_plain_torch
 def exact_attention(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, scale: float) -> Tensor:
     """Softmax attention ``(B, H, S, D)`` of q ``(B, H, S, D)`` over k / v ``(B, H_kv, T, D)`` (GQA:
     query head ``h`` reads KV head ``h // (H / H_kv)``), query ``s`` reading the keys where
@@ -178,7 +179,52 @@ def exact_attention(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, scale: f
     Each batch row's keys must be one run starting at its first real key (left padding before it,
     anything after): the tiles start there, so the same query sees the same tiles in a padded
     training batch, a prefill and the engine's cache. Computed in FP32, returned in ``q``'s dtype.
+    On CUDA one Triton kernel (`kernels/triton_exact_attention.py`) computes it, each query's keys
+    ``first key .. its last valid key``; elsewhere the torch ops below. Differentiable: the kernel's
+    backward recomputes the torch version's graph (any correct gradient will do).
     """
+    if q.is_cuda and _triton_attention() is not None:
+        return _KernelAttention.apply(q, k, v, key_valid, scale)
+    return _torch_attention(q, k, v, key_valid, scale)
+
+
+def _triton_attention():
+    from jetrl_trainer import kernels
+
+    return kernels.optional_module("triton_exact_attention") if kernels.triton_available() else None
+
+
+def _key_runs(key_valid: Tensor) -> tuple[Tensor, Tensor]:
+    """Each batch row's first key ``(B,)`` and each query's last valid key ``(B, S)`` (``first - 1``
+    where a query reads none), the kernel's description of ``key_valid`` (one run per query)."""
+    first = _first_key(key_valid)
+    t = key_valid.shape[-1]
+    last = t - 1 - key_valid.flip(-1).to(torch.uint8).argmax(-1)
+    return first, torch.where(key_valid.any(-1), last, first[:, None] - 1)
+
+
+class _KernelAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, scale: float) -> Tensor:
+        ctx.save_for_backward(q, k, v, key_valid)
+        ctx.scale = scale
+        with torch._C.DisableTorchFunction():
+            first, last = _key_runs(key_valid)
+            return _triton_attention().exact_attention(q, k, v, first, last, scale, ATTENTION)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        q, k, v, key_valid = ctx.saved_tensors
+        with torch.enable_grad():
+            inputs = [t.detach().requires_grad_(need) for t, need in zip((q, k, v), ctx.needs_input_grad)]
+            out = _torch_attention(*inputs, key_valid, ctx.scale)
+            wanted = [t for t in inputs if t.requires_grad]
+            grads = iter(torch.autograd.grad(out, wanted, grad)) if wanted else iter(())
+        return *(next(grads) if t.requires_grad else None for t in inputs), None, None
+
+
+@_plain_torch
+def _torch_attention(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, scale: float) -> Tensor:
     b, h, s, d = q.shape
     h_kv = k.shape[1]
     offsets = _first_key(key_valid)

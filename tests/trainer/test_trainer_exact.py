@@ -149,6 +149,25 @@ def test_fp32_master_weights_under_autocast_run_the_engine_without_exact_too(tmp
     assert logs["mismatch/logp_abs_diff_max"] < 0.1 and logs["jetrl/skipped_steps"] == 0
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("exact", [False, True], ids=["kernel-path", "exact"])
+def test_fp32_master_weights_under_autocast_on_cuda(tmp_path, exact):
+    """The same on CUDA: without exact log-probs the engine's kernel path (CUDA graphs) decodes after an
+    autocast prefill; with them the exact decode holds the contract under autocast."""
+    from jetrl_trainer.kernels import triton_available
+
+    if not triton_available():
+        pytest.skip("needs Triton (the engine's kernel path)")
+    trainer = make_trainer(tmp_path, model=tiny_model().cuda(), use_cpu=False, bf16=True, exact_logprobs=exact,
+                           exact_check_every=1, train_precision="fp8", rollout_precision="fp8", **EXACT)  # fmt: skip
+    logs, _ = train(trainer)
+    assert trainer.rollout_backend.last_stats["decode_path"] == ("torch" if exact else "graphs")
+    if exact:
+        _assert_exact(logs)
+    else:
+        assert logs["mismatch/logp_abs_diff_max"] < 0.1 and logs["jetrl/skipped_steps"] == 0
+
+
 def test_with_several_inner_iterations_no_old_logprob_forward_runs(tmp_path, monkeypatch):
     """``num_iterations=2`` makes TRL compute old log-probs itself (generation and optimizer steps are
     misaligned); with exact log-probs the recorded ones serve, so no no-grad training forward runs at

@@ -1,0 +1,45 @@
+"""Exact attention for CUDA: each query's bits depend on its own keys and values only.
+
+The kernel (`_triton_exact_attention_jit.py`) is what `jetrl_trainer.exact.exact_attention` runs on
+CUDA, in the prefill, every decode step and the training forward alike: one launch per call, where the
+torch version launches a dozen kernels per 64-key tile (a decode step over 8k positions: 1,500 per
+layer). Its arithmetic is its own (``tl.exp``, its dot instructions), not the torch version's, so one
+device runs one of the two in both phases.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from jetrl_trainer.kernels._triton_support import cdiv, load_jit
+from jetrl_trainer.kernels.settings import ExactAttentionSettings
+
+__all__ = ["exact_attention"]
+
+_DEFAULT = ExactAttentionSettings()
+
+
+def exact_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_key: torch.Tensor, last_key: torch.Tensor, scale: float,
+    settings: ExactAttentionSettings = _DEFAULT,
+) -> torch.Tensor:  # fmt: skip
+    """Softmax attention ``(B, H, S, D)`` of q ``(B, H, S, D)`` over k / v ``(B, H_kv, T, D)`` (any float
+    dtypes, any strides; GQA: head ``h`` reads KV head ``h // (H / H_kv)``), query ``(b, s)`` reading keys
+    ``first_key[b]`` ``(B,)`` to ``last_key[b, s]`` ``(B, S)``, both included (none where ``last < first``).
+    Computed in FP32 (no TF32), returned in ``q``'s dtype."""
+    b, h, s, d = q.shape
+    h_kv, t = k.shape[1], k.shape[2]
+    out = torch.empty_like(q)
+    rows = (h // h_kv) * s
+    if out.numel() == 0:
+        return out
+    first = first_key.to(device=q.device, dtype=torch.int64).contiguous()
+    last = last_key.to(device=q.device, dtype=torch.int64)
+    grid = (cdiv(rows, settings.block_m), b * h_kv)
+    load_jit("_triton_exact_attention_jit").exact_attention_kernel[grid](
+        q, k, v, out, first, last, s, t, rows, float(scale), *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+        *last.stride(), GROUP=h // h_kv, HEADS_KV=h_kv, D=d, BLOCK_D=max(16, 1 << (d - 1).bit_length()),
+        BLOCK_M=settings.block_m, BLOCK_N=settings.block_n, num_warps=settings.num_warps,
+        num_stages=settings.num_stages,
+    )  # fmt: skip
+    return out
