@@ -15,13 +15,16 @@ import triton.language as tl
 
 @triton.jit(do_not_specialize=["S", "T", "ROWS"])
 def exact_attention_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, first_ptr, last_ptr, S, T, ROWS, scale,
+    q_ptr, k_ptr, v_ptr, out_ptr, first_ptr, last_ptr, kv_rows_ptr, k_scale_ptr, v_scale_ptr, S, T, ROWS, scale,
     stride_qb, stride_qh, stride_qs, stride_qd, stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_vd, stride_ob, stride_oh, stride_os, stride_od,
-    stride_lb, stride_ls,
+    stride_lb, stride_ls, stride_sb, stride_sh, stride_st,
     GROUP: tl.constexpr, HEADS_KV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, KV_ROWS: tl.constexpr, SCALED: tl.constexpr,
 ):
+    # KV_ROWS: batch row b reads keys/values at kv_rows[b] (the engine's cache slots); SCALED: FP8 keys
+    # and values with one FP32 scale per (row, KV head, position), read as q * scale in FP32: the
+    # values the training forward's attention reads through the cache's roundtrip.
     MASKED: tl.constexpr = -3.4028234663852886e38  # finite: a row with no key left gives no NaN
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -41,14 +44,18 @@ def exact_attention_kernel(
     m = tl.full((BLOCK_M,), MASKED, dtype=tl.float32)
     total = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-    k_base = k_ptr + b * stride_kb + kv_head * stride_kh
-    v_base = v_ptr + b * stride_vb + kv_head * stride_vh
+    kv_b = tl.load(kv_rows_ptr + b).to(tl.int64) if KV_ROWS else b
+    k_base = k_ptr + kv_b * stride_kb + kv_head * stride_kh
+    v_base = v_ptr + kv_b * stride_vb + kv_head * stride_vh
+    scale_base = kv_b * stride_sb + kv_head * stride_sh
     n = tl.arange(0, BLOCK_N).to(tl.int64)
     for start in range(first, stop, BLOCK_N):
         t = start + n
         t_ok = t < T
         k = tl.load(k_base + t[None, :] * stride_kt + d[:, None] * stride_kd, mask=d_ok[:, None] & t_ok[None, :],
                     other=0.0).to(tl.float32)  # (BLOCK_D, BLOCK_N)
+        if SCALED:
+            k = k * tl.load(k_scale_ptr + scale_base + t * stride_st, mask=t_ok, other=0.0)[None, :]
         scores = tl.dot(q, k, input_precision="ieee") * scale
         valid = t[None, :] <= last[:, None]
         scores = tl.where(valid, scores, MASKED)
@@ -58,6 +65,8 @@ def exact_attention_kernel(
         alpha = tl.exp(m - m_new)
         v = tl.load(v_base + t[:, None] * stride_vt + d[None, :] * stride_vd, mask=t_ok[:, None] & d_ok[None, :],
                     other=0.0).to(tl.float32)  # (BLOCK_N, BLOCK_D)
+        if SCALED:
+            v = v * tl.load(v_scale_ptr + scale_base + t * stride_st, mask=t_ok, other=0.0)[:, None]
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         total = total * alpha + tl.sum(p, axis=1)
         m = m_new

@@ -41,6 +41,7 @@ __all__ = [
     "KV_TILE",
     "ROWS",
     "exact_attention",
+    "exact_attention_over_runs",
     "exact_linear",
     "log_probs",
     "row_invariant_matmul",
@@ -186,6 +187,17 @@ def exact_attention(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, scale: f
     if q.is_cuda and _triton_attention() is not None:
         return _KernelAttention.apply(q, k, v, key_valid, scale)
     return _torch_attention(q, k, v, key_valid, scale)
+
+
+def exact_attention_over_runs(q: Tensor, k: Tensor, v: Tensor, first_key: Tensor, last_key: Tensor, scale: float,
+                              **cache) -> Tensor | None:  # fmt: skip
+    """`exact_attention`'s CUDA kernel with each query's keys given as a run, ``first_key[b]`` ``(B,)`` to
+    ``last_key[b, s]`` ``(B, S)``, no grad: the engine's decode step over its cache in place (``cache``:
+    the kernel's ``kv_rows``, ``k_scale``, ``v_scale``), with no mask to build, no copy and no host
+    sync. None where the kernel does not run (off CUDA, no Triton): the caller reads the cache out."""
+    if not q.is_cuda or _triton_attention() is None:
+        return None
+    return _triton_attention().exact_attention(q, k, v, first_key, last_key, scale, ATTENTION, **cache)
 
 
 def _triton_attention():

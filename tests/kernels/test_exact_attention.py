@@ -65,6 +65,33 @@ def test_a_decode_query_has_the_bits_of_the_same_query_in_the_sequence(device, d
     assert torch.equal(alone[0][:, pads[1]:], full[1][:, pads[1]:])
 
 
+@pytest.mark.parametrize("device", INTERPRETER_OR_GPU)
+@pytest.mark.parametrize("fp8", [False, True])
+def test_the_cache_in_place_gives_the_bits_of_its_values_read_out(device, fp8):
+    """A decode step over the engine's cache (``kv_rows`` picking slots, FP8 values with their scales)
+    equals the same step over the rows' keys and values read out (FP8: `fp8_kv_roundtrip`'s FP32 values),
+    which is what the training forward's attention reads."""
+    from jetrl_trainer.kernels.triton_exact_attention import exact_attention
+    from jetrl_trainer.rollout.engine.kv_cache import KVCache
+
+    slots, h, h_kv, max_len, d = 5, 8, 2, 200, 64
+    cache = KVCache(num_layers=1, num_slots=slots, max_len=max_len, num_kv_heads=h_kv, head_dim=d,
+                    dtype=torch.bfloat16, device=torch.device(device), fp8=fp8)  # fmt: skip
+    for position in range(max_len):
+        k, v = (_rand(slots, h_kv, d, dtype=torch.bfloat16, device=device, seed=position * 2 + i) * 3 for i in (0, 1))
+        cache.lengths.fill_(position)
+        cache.append(0, torch.arange(slots, device=device), k, v)
+    rows = torch.tensor([3, 0, 4], device=device)
+    lengths = torch.tensor([200, 17, 130], device=device)
+    q = _rand(3, h, 1, d, dtype=torch.bfloat16, device=device, seed=99)
+    first, last = torch.zeros(3, dtype=torch.long, device=device), (lengths - 1)[:, None]
+    scales = dict(k_scale=cache.k_scale[0], v_scale=cache.v_scale[0]) if fp8 else {}
+    in_place = exact_attention(q, cache.k[0], cache.v[0], first, last, 0.125, kv_rows=rows, **scales)
+    keys, values = cache.read(0, rows, dtype=torch.float32)
+    read_out = exact_attention(q, keys, values, first, last, 0.125)
+    assert torch.equal(in_place, read_out)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("positions", [1024, 4096, 8192, 16384])
 def test_long_contexts_against_the_reference(positions):
@@ -109,8 +136,10 @@ def test_it_compiles_for_sm90():
 
     from jetrl_trainer.kernels._triton_exact_attention_jit import exact_attention_kernel
 
-    ptx = compile_sm90(exact_attention_kernel, dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", out_ptr="*bf16",
-                                                     first_ptr="*i64", last_ptr="*i64", scale="fp32"),
-                       dict(GROUP=4, HEADS_KV=8, D=128, BLOCK_D=128, BLOCK_M=16, BLOCK_N=64), launch=dict(num_warps=4),
-                       odd=("S", "T", "ROWS"))  # fmt: skip
-    assert "ex2" in ptx
+    for kv, scaled in (("*bf16", False), ("*fp8e4nv", True)):  # the training forward; the engine's FP8 cache
+        pointers = dict(q_ptr="*bf16", k_ptr=kv, v_ptr=kv, out_ptr="*bf16", first_ptr="*i64", last_ptr="*i64",
+                        kv_rows_ptr="*i64", k_scale_ptr="*fp32", v_scale_ptr="*fp32")  # fmt: skip
+        ptx = compile_sm90(exact_attention_kernel, pointers, dict(GROUP=4, HEADS_KV=8, D=128, BLOCK_D=128, BLOCK_M=16,
+                                                                  BLOCK_N=64, KV_ROWS=scaled, SCALED=scaled),
+                           floats=("scale",), launch=dict(num_warps=4), odd=("S", "T", "ROWS"))  # fmt: skip
+        assert "ex2" in ptx

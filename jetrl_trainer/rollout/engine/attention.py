@@ -35,6 +35,7 @@ from torch.nn.attention import SDPBackend
 
 from jetrl_trainer import kernels
 from jetrl_trainer.exact import exact_attention
+from jetrl_trainer.exact.ops import exact_attention_over_runs
 
 from .projections import Activation, GroupedSplitSums
 
@@ -153,10 +154,21 @@ class TorchAttention:
         rows = self.rows
         q, k = self.view.apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # (B, H, 1, D)
         rows.cache.append(i, rows.slots, k[:, :, 0], v[:, 0])
-        live = int(rows.lengths.max())
-        kv = rows.cache.read(i, rows.slots, live, dtype=torch.float32 if self.exact else None)
-        out = self.decode_attention(q[:, :, 0], *kv, rows.lengths, self.view.scaling)
+        out = self._exact_in_place(i, q) if self.exact else None
+        if out is None:
+            live = int(rows.lengths.max())
+            kv = rows.cache.read(i, rows.slots, live, dtype=torch.float32 if self.exact else None)
+            out = self.decode_attention(q[:, :, 0], *kv, rows.lengths, self.view.scaling)
         return Activation(out.reshape(out.shape[0], 1, -1))
+
+
+    def _exact_in_place(self, i: int, q: Tensor) -> Tensor | None:
+        """The exact attention kernel over layer ``i``'s cache in place (CUDA), ``(B, H, D)``; None elsewhere."""
+        rows, cache = self.rows, self.rows.cache
+        scales = dict(k_scale=cache.k_scale[i], v_scale=cache.v_scale[i]) if cache.fp8 else {}
+        out = exact_attention_over_runs(q, cache.k[i], cache.v[i], torch.zeros_like(rows.lengths),
+                                        (rows.lengths - 1)[:, None], self.view.scaling, kv_rows=rows.slots, **scales)  # fmt: skip
+        return None if out is None else out[:, :, 0]
 
 
 class KernelAttention:
