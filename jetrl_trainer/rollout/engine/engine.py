@@ -24,6 +24,7 @@ forward uses at that optimizer step.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -67,6 +68,12 @@ def _module_ids(model: nn.Module) -> tuple[int, ...]:
 
 def _sampling_key(config: GenerationConfig) -> tuple:
     return (config.do_sample, config.temperature, config.top_k, config.top_p, config.min_p)
+
+
+def _cache_argument(model: nn.Module) -> str:
+    """The forward's name for the KV cache: ``cache`` from transformers 5.24 on (``past_key_values``
+    warns there, and goes in 5.40), ``past_key_values`` before."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def _decode_path(settings: EngineSettings, device: torch.device) -> str:
@@ -244,7 +251,7 @@ class DecodeEngine:
         for start in range(0, ids.shape[1], chunk):
             end = start + chunk
             out = v.model(input_ids=ids[:, start:end], attention_mask=mask[:, :end], position_ids=positions[:, start:end],
-                          past_key_values=cache, use_cache=True, logits_to_keep=1)  # fmt: skip
+                          use_cache=True, logits_to_keep=1, **{_cache_argument(v.model): cache})  # fmt: skip
         keys = [layer.keys for layer in cache.layers]
         values = [layer.values for layer in cache.layers]
         return keys, values, out.logits[:, -1].float()
