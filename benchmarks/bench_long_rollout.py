@@ -1,0 +1,150 @@
+"""Long rollouts on the decode engine: BF16, FP8 linears with the BF16 cache, FP8 linears with the FP8 cache.
+
+A random Qwen3 of Qwen3-8B's layer shapes (``--layers``), prompts of ``--prompt`` tokens, ``--new`` new
+tokens per sequence (8,192; 16,384 at fewer sequences). Every configuration decodes the same
+``--sequences`` sequences through as many slots as its cache format fits in ``--kv-gib`` (default:
+the memory free after the weights, less ``--margin-gib`` for activations and graphs), a finished
+sequence's slot refilled by a waiting one, as ``rollout_kv_cache_gib`` runs a rollout. Per
+configuration: the slots (the largest batch that fits), tok/s, ms per decode step, peak memory, the
+KV cache's bytes, and (CUDA) where a decode step's GPU time goes at mid-length, attention's share
+first. The engine's kernel path, not the exact one: these are its speed and memory figures; the
+exact contract's own cost is ``bench_exact_step.py``'s.
+
+Usage: ``python benchmarks/bench_long_rollout.py [--new 8192] [--sequences 64] [--configs bf16,fp8,fp8_kv]``;
+``--shape tiny --device cpu --new 64`` is a smoke run on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from _common import dump, environment
+from transformers import GenerationConfig
+
+from jetrl_trainer.quant import PrecisionPhases, quantize_model
+from jetrl_trainer.rollout.engine import DecodeEngine
+from jetrl_trainer.rollout.engine.kv_cache import KVCache
+from jetrl_trainer.tiny import build_tiny_qwen3, build_tiny_tokenizer
+
+CONFIGS = {  # name -> (phase whose recipe the rollout runs, KV cache dtype)
+    "bf16": ("train", "auto"),
+    "fp8": ("rollout", "auto"),
+    "fp8_kv": ("rollout", "fp8"),
+}
+SHAPE_8B = dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                vocab_size=151936, tie_word_embeddings=False)  # fmt: skip
+ATTENTION_KINDS = (("attention", ("decode_attention", "exact_attention")), ("gemm", ("gemm", "sm90", "nvjet", "cutlass")))
+
+
+def build(args):
+    tokenizer = build_tiny_tokenizer(model_max_length=args.prompt + args.new + 128)
+    shape = SHAPE_8B if args.shape == "8b" else {}
+    model = build_tiny_qwen3(tokenizer, num_hidden_layers=args.layers, max_position_embeddings=args.prompt + args.new + 128,
+                             seed=0, dtype=torch.bfloat16, **shape).to(args.device)  # fmt: skip
+    quantize_model(model, train="bf16", rollout="fp8")
+    return model.eval()
+
+
+def slots_that_fit(model, kv_dtype: str, per_sequence: int, budget_bytes: int) -> int:
+    c = model.config
+    token = KVCache.bytes_per_token(num_layers=c.num_hidden_layers, num_kv_heads=c.num_key_value_heads,
+                                    head_dim=c.head_dim, dtype=torch.bfloat16, fp8=kv_dtype == "fp8")  # fmt: skip
+    return budget_bytes // (per_sequence * token)
+
+
+def attention_share(engine: DecodeEngine, model, slots: int, length: int) -> dict:
+    """GPU time of one eager decode step at ``length`` live positions, by kernel kind (CUDA)."""
+    from _common import kernels_by_kind
+
+    v = engine.view
+    cache = KVCache(num_layers=len(v.layers), num_slots=slots, max_len=length + 2, num_kv_heads=v.num_kv_heads,
+                    head_dim=v.head_dim, dtype=v.dtype, device=v.device, fp8=engine.kv_fp8)  # fmt: skip
+    rows = torch.arange(slots, device=v.device)
+    tokens = torch.randint(0, 1000, (slots,), device=v.device)
+
+    def step():
+        cache.lengths.fill_(length)
+        engine.decode_step(cache, rows, tokens)
+
+    kinds = kernels_by_kind(step, 2, ATTENTION_KINDS)
+    attention = kinds["by_kind"].get("attention", {}).get("ms", 0.0)
+    return dict(step_gpu_ms=kinds["gpu_ms"], attention_ms=attention,
+                attention_share=round(attention / kinds["gpu_ms"], 3) if kinds["gpu_ms"] else None)  # fmt: skip
+
+
+def run(name: str, model, args, budget_bytes: int) -> dict:
+    phase, kv_dtype = CONFIGS[name]
+    per_sequence = args.prompt + args.new
+    slots = min(args.sequences, slots_that_fit(model, kv_dtype, per_sequence, budget_bytes))
+    if slots < 1:
+        return dict(slots=0, note=f"one sequence of {per_sequence} positions does not fit in {budget_bytes / 2**30:.1f} GiB")
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(100, 150, (args.prompt,), generator=g).tolist() for _ in range(8)]
+    prompts = [prompts[i % 8] for i in range(args.sequences)]
+    config = GenerationConfig(max_new_tokens=args.new, do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
+    cuda = args.device == "cuda"
+    with torch.no_grad(), PrecisionPhases(model).use(phase):
+        engine = DecodeEngine(model, kv_cache_dtype=kv_dtype)
+        warm = GenerationConfig(**{**config.to_dict(), "max_new_tokens": 8})  # compiles and captures outside the timing
+        engine.generate(prompts[:slots], warm, eos_token_ids=[-1], seed=0, max_batch_size=slots)
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        ids, _ = engine.generate(prompts, config, eos_token_ids=[-1], seed=1, max_batch_size=slots)
+        if cuda:
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        generated = sum(map(len, ids))
+        waves = -(-args.sequences // slots)
+        result = dict(
+            kv_cache=kv_dtype, slots=slots, sequences=args.sequences, generated_tokens=generated,
+            seconds=round(seconds, 2), tok_per_s=round(generated / seconds, 1),
+            ms_per_step=round(1e3 * seconds / (waves * args.new), 3),
+            peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
+            kv_cache_gib=round(engine.last_stats["kv_cache_bytes"] / 2**30, 2), decode_path=engine.settings.decode_path,
+        )  # fmt: skip
+        if cuda:
+            result["mid_length_step"] = attention_share(engine, model, slots, args.prompt + args.new // 2)
+    del engine
+    torch.cuda.empty_cache() if cuda else None
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=36)
+    ap.add_argument("--prompt", type=int, default=256)
+    ap.add_argument("--new", type=int, default=8192)
+    ap.add_argument("--sequences", type=int, default=64, help="sequences every configuration decodes")
+    ap.add_argument("--kv-gib", type=float, default=None, help="KV budget; default: free memory less --margin-gib")
+    ap.add_argument("--margin-gib", type=float, default=8.0)
+    ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list of {', '.join(CONFIGS)}")
+    ap.add_argument("--shape", default="8b", choices=["8b", "tiny"], help="8b: Qwen3-8B layer shapes; tiny: CPU smoke")
+    ap.add_argument("--device", default="cuda")
+    args = ap.parse_args()
+    names = args.configs.split(",")
+    unknown = sorted(set(names) - set(CONFIGS))
+    if unknown:
+        raise SystemExit(f"unknown --configs {unknown}; choose from {', '.join(CONFIGS)}")
+    model = build(args)
+    if args.kv_gib is not None:
+        budget = int(args.kv_gib * 2**30)
+    elif args.device == "cuda":
+        # The rollout recipe's FP8 weight cache is filled by the first FP8 call; leave room for it too.
+        budget = int(torch.cuda.mem_get_info()[0] - args.margin_gib * 2**30)
+    else:
+        budget = 2**30
+    result = dict(benchmark="long_rollout", env=environment(), args=vars(args), kv_budget_gib=round(budget / 2**30, 2))
+    for name in names:
+        result[name] = run(name, model, args, budget)
+        print(name, result[name], flush=True)
+    if "bf16" in result and "fp8_kv" in result and result["bf16"].get("tok_per_s"):
+        result["fp8_kv_over_bf16_tok_per_s"] = round(result["fp8_kv"]["tok_per_s"] / result["bf16"]["tok_per_s"], 3)
+    dump(result)
+
+
+if __name__ == "__main__":
+    main()
