@@ -30,6 +30,7 @@ block, measured invariant). Plain torch on every device but for the CUDA matmul 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -184,9 +185,16 @@ def exact_attention(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, scale: f
     ``first key .. its last valid key``; elsewhere the torch ops below. Differentiable: the kernel's
     backward recomputes the torch version's graph (any correct gradient will do).
     """
-    if q.is_cuda and _triton_attention() is not None:
+    if _runs_kernel(q):
         return _KernelAttention.apply(q, k, v, key_valid, scale)
     return _torch_attention(q, k, v, key_valid, scale)
+
+
+def _runs_kernel(q: Tensor) -> bool:
+    """The attention kernel on CUDA; on CPU tensors too under Triton's interpreter, where the
+    interpreter tests run the whole exact contract through it (tests/exact/test_exact_kernel_path.py)."""
+    on = q.is_cuda or (q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+    return on and _triton_attention() is not None
 
 
 def exact_attention_over_runs(q: Tensor, k: Tensor, v: Tensor, first_key: Tensor, last_key: Tensor, scale: float,
@@ -195,7 +203,7 @@ def exact_attention_over_runs(q: Tensor, k: Tensor, v: Tensor, first_key: Tensor
     ``last_key[b, s]`` ``(B, S)``, no grad: the engine's decode step over its cache in place (``cache``:
     the kernel's ``kv_rows``, ``k_scale``, ``v_scale``), with no mask to build, no copy and no host
     sync. None where the kernel does not run (off CUDA, no Triton): the caller reads the cache out."""
-    if not q.is_cuda or _triton_attention() is None:
+    if not _runs_kernel(q):
         return None
     return _triton_attention().exact_attention(q, k, v, first_key, last_key, scale, ATTENTION, **cache)
 

@@ -1,0 +1,60 @@
+"""The exact contract through the CUDA attention kernel's wiring, in Triton's interpreter on CPU.
+
+Under ``TRITON_INTERPRET=1`` the exact ops run `kernels/triton_exact_attention.py` on CPU tensors, as
+they do on CUDA: the training forward through the autograd Function (key runs read from the mask),
+the engine's decode over its cache in place (slots, FP8 values and scales). The recorded log-probs
+must still be the training forward's bits, and the gradient must flow (the backward recomputes the
+torch version). The GPU runs the same wiring in tests/exact/test_exact_contract.py and test_exact_fp8_kv.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from _engine_contract import assert_exact, rollout, tiny_model
+
+from jetrl_trainer.exact import ExactOps, ops
+
+NONE = contextlib.nullcontext
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11], list(range(20, 90)), [5, 6, 7, 8, 9]]
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize(("recipe", "kv"), [("bf16", "auto"), ("fp8", "fp8")])
+def test_the_kernel_path_keeps_the_contract(recipe, kv, monkeypatch):
+    calls = {"training": 0, "decode": 0}
+    for name, key in (("_KernelAttention", "training"), ("exact_attention_over_runs", "decode")):
+        original = getattr(ops, name)
+        if name == "_KernelAttention":
+            monkeypatch.setattr(ops._KernelAttention, "apply", _counting(original.apply, calls, key))
+        else:
+            import jetrl_trainer.rollout.engine.attention as attention
+
+            monkeypatch.setattr(attention, name, _counting(original, calls, key))
+    model = tiny_model("qwen3", recipe, torch.float32, "cpu", num_hidden_layers=1)
+    tokens, recorded = rollout(model, autocast=NONE, prompts=PROMPTS, new_tokens=6, kv_cache_dtype=kv)
+    assert_exact(model, tokens, recorded, autocast=NONE, device="cpu", prompts=PROMPTS, kv_cache_dtype=kv,
+                 micro_batches=((True, 3),))  # fmt: skip
+    assert calls["decode"] > 0 and calls["training"] > 0  # both phases ran the kernel
+
+
+@pytest.mark.interpreter
+def test_gradients_flow_through_the_kernel():
+    q, k, v = (torch.randn(1, 2, 20, 16, generator=torch.Generator().manual_seed(i)).requires_grad_() for i in range(3))
+    valid = torch.ones(20, 20, dtype=torch.bool).tril()[None]
+    with ExactOps.entered():
+        out = ops.exact_attention(q, k, v, valid, 0.25)
+    expected = ops._torch_attention(q, k, v, valid, 0.25)
+    assert torch.allclose(out, expected, atol=1e-5)
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    assert all(torch.allclose(g, e, atol=1e-5) for g, e in zip(grads, torch.autograd.grad(expected.sum(), (q, k, v))))
+
+
+def _counting(fn, calls, key):
+    def counted(*args, **kwargs):
+        calls[key] += 1
+        return fn(*args, **kwargs)
+
+    return counted
