@@ -226,15 +226,17 @@ def _key_runs(key_valid: Tensor) -> tuple[Tensor, Tensor]:
 class _KernelAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, scale: float) -> Tensor:
-        ctx.save_for_backward(q, k, v, key_valid)
         ctx.scale = scale
         with torch._C.DisableTorchFunction():
             first, last = _key_runs(key_valid)
+            ctx.save_for_backward(q, k, v, first, last)  # the runs, not the (B, S, T) mask, wait for the backward
             return _triton_attention().exact_attention(q, k, v, first, last, scale, ATTENTION)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        q, k, v, key_valid = ctx.saved_tensors
+        q, k, v, first, last = ctx.saved_tensors
+        t = torch.arange(k.shape[2], device=k.device)
+        key_valid = (t[None, None, :] >= first[:, None, None]) & (t[None, None, :] <= last[:, :, None])
         with torch.enable_grad():
             inputs = [t.detach().requires_grad_(need) for t, need in zip((q, k, v), ctx.needs_input_grad)]
             out = _torch_attention(*inputs, key_valid, ctx.scale)
