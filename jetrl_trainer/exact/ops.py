@@ -235,14 +235,14 @@ class _KernelAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         q, k, v, first, last = ctx.saved_tensors
-        t = torch.arange(k.shape[2], device=k.device)
-        key_valid = (t[None, None, :] >= first[:, None, None]) & (t[None, None, :] <= last[:, :, None])
+        keys = torch.arange(k.shape[2], device=k.device)
+        key_valid = (keys[None, None, :] >= first[:, None, None]) & (keys[None, None, :] <= last[:, :, None])
         with torch.enable_grad():
-            inputs = [t.detach().requires_grad_(need) for t, need in zip((q, k, v), ctx.needs_input_grad)]
+            inputs = [x.detach().requires_grad_(need) for x, need in zip((q, k, v), ctx.needs_input_grad)]
             out = _torch_attention(*inputs, key_valid, ctx.scale)
-            wanted = [t for t in inputs if t.requires_grad]
+            wanted = [x for x in inputs if x.requires_grad]
             grads = iter(torch.autograd.grad(out, wanted, grad)) if wanted else iter(())
-        return *(next(grads) if t.requires_grad else None for t in inputs), None, None
+        return *(next(grads) if x.requires_grad else None for x in inputs), None, None
 
 
 @_plain_torch
