@@ -142,7 +142,8 @@ def exact_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths:
 
 class TorchAttention:
     """The reference: the model's RoPE, an indexed KV append and SDPA over each row's live KV
-    (``exact``: the exact attention instead, `exact_decode_attention`)."""
+    (``exact``: the exact attention instead: on CUDA its kernel over the cache in place, elsewhere
+    `exact_decode_attention` over the rows' live KV read out)."""
 
     def __init__(self, view: DecoderView, rows: DecodeRows, exact: bool = False) -> None:
         self.view, self.rows, self.exact = view, rows, exact
@@ -160,7 +161,6 @@ class TorchAttention:
             kv = rows.cache.read(i, rows.slots, live, dtype=torch.float32 if self.exact else None)
             out = self.decode_attention(q[:, :, 0], *kv, rows.lengths, self.view.scaling)
         return Activation(out.reshape(out.shape[0], 1, -1))
-
 
     def _exact_in_place(self, i: int, q: Tensor) -> Tensor | None:
         """The exact attention kernel over layer ``i``'s cache in place (CUDA), ``(B, H, D)``; None elsewhere."""
