@@ -183,7 +183,8 @@ def exact_attention(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, scale: f
     training batch, a prefill and the engine's cache. Computed in FP32, returned in ``q``'s dtype.
     On CUDA one Triton kernel (`kernels/triton_exact_attention.py`) computes it, each query's keys
     ``first key .. its last valid key``; elsewhere the torch ops below. Differentiable: the kernel's
-    backward recomputes the torch version's graph (any correct gradient will do).
+    backward is flash-attention style from its log-sum-exp (`_flash_backward`; any correct gradient
+    will do).
     """
     if _runs_kernel(q):
         return _KernelAttention.apply(q, k, v, key_valid, scale)
@@ -229,20 +230,47 @@ class _KernelAttention(torch.autograd.Function):
         ctx.scale = scale
         with torch._C.DisableTorchFunction():
             first, last = _key_runs(key_valid)
-            ctx.save_for_backward(q, k, v, first, last)  # the runs, not the (B, S, T) mask, wait for the backward
-            return _triton_attention().exact_attention(q, k, v, first, last, scale, ATTENTION)
+            out, lse = _triton_attention().exact_attention(q, k, v, first, last, scale, ATTENTION, return_lse=True)
+            ctx.save_for_backward(q, k, v, out, lse, first, last)  # the key runs, not the (B, S, T) mask
+        return out
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        q, k, v, first, last = ctx.saved_tensors
-        keys = torch.arange(k.shape[2], device=k.device)
-        key_valid = (keys[None, None, :] >= first[:, None, None]) & (keys[None, None, :] <= last[:, :, None])
-        with torch.enable_grad():
-            inputs = [x.detach().requires_grad_(need) for x, need in zip((q, k, v), ctx.needs_input_grad)]
-            out = _torch_attention(*inputs, key_valid, ctx.scale)
-            wanted = [x for x in inputs if x.requires_grad]
-            grads = iter(torch.autograd.grad(out, wanted, grad)) if wanted else iter(())
-        return *(next(grads) if x.requires_grad else None for x in inputs), None, None
+        q, k, v, out, lse, first, last = ctx.saved_tensors
+        dq, dk, dv = _flash_backward(q, k, v, out, lse, first, last, grad, ctx.scale)
+        return dq, dk, dv, None, None
+
+
+@_plain_torch
+def _flash_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, first: Tensor, last: Tensor,
+                    grad: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """The attention's gradients, flash-attention style: tile by tile, each tile's probabilities
+    recomputed from the forward's log-sum-exp, so memory holds one tile's scores, not the sequence's
+    (autograd through the tiled torch version saved every tile: ~100 GB at 8 x 4k positions at 8B).
+    Plain matmuls: a gradient need not be exact, only correct."""
+    b, h, s, d = q.shape
+    h_kv, t = k.shape[1], k.shape[2]
+    rows = (h // h_kv) * s
+    qf = q.float().reshape(b, h_kv, rows, d)
+    do = grad.float().reshape(b, h_kv, rows, d)
+    delta = (do * out.float().reshape(b, h_kv, rows, d)).sum(-1, keepdim=True)
+    row_lse = lse.reshape(b, h_kv, rows, 1)
+    row_last = last[:, None, :].expand(b, h // h_kv, s).reshape(b, 1, rows, 1)
+    dq = torch.zeros_like(qf)
+    dk = torch.zeros(b, h_kv, t, d, dtype=torch.float32, device=k.device)
+    dv = torch.zeros_like(dk)
+    for start in range(0, t, KV_TILE):
+        tile = slice(start, min(start + KV_TILE, t))
+        keys = torch.arange(tile.start, tile.stop, device=k.device)
+        kt, vt = k[:, :, tile].float(), v[:, :, tile].float()
+        valid = (keys >= first[:, None, None, None]) & (keys <= row_last)  # (B, 1, rows, tile)
+        # where, not a product: a masked score's exp may overflow (padding rows' lse is 0), and inf * 0 is NaN
+        p = torch.where(valid, torch.exp((qf @ kt.transpose(-1, -2)) * scale - row_lse), 0.0)
+        dv[:, :, tile] += p.transpose(-1, -2) @ do
+        ds = p * ((do @ vt.transpose(-1, -2)) - delta)
+        dq += (ds @ kt) * scale
+        dk[:, :, tile] += (ds.transpose(-1, -2) @ qf) * scale
+    return dq.reshape(b, h, s, d).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 @_plain_torch

@@ -108,23 +108,24 @@ def test_long_contexts_against_the_reference(positions):
     assert torch.equal(one, out[:, :, -1:])
 
 
-@pytest.mark.gpu
-def test_the_exact_ops_run_it_on_cuda_and_differentiate_it():
-    """`jetrl_trainer.exact.exact_attention` on CUDA: the kernel's forward (padding queries give 0, not
-    NaN), and gradients close to the torch version's (the backward recomputes that one)."""
+@pytest.mark.parametrize("device", INTERPRETER_OR_GPU)
+def test_the_exact_ops_run_it_and_differentiate_it(device):
+    """`jetrl_trainer.exact.exact_attention` through the kernel (CUDA; CPU in the interpreter): its
+    forward (padding queries give 0, not NaN), and its flash-style backward's gradients against
+    autograd through the torch version, with GQA, left padding and tiles of 64 keys."""
     from jetrl_trainer.exact import ops
 
     b, h, h_kv, s, d = 2, 4, 2, 80, 32
-    q, k, v = (_rand(b, n, s, d, device="cuda", seed=i).requires_grad_() for i, n in enumerate((h, h_kv, h_kv)))
-    first, last = _causal(b, s, [0, 10], "cuda")
-    t = torch.arange(s, device="cuda")
+    q, k, v = (_rand(b, n, s, d, device=device, seed=i).requires_grad_() for i, n in enumerate((h, h_kv, h_kv)))
+    first, last = _causal(b, s, [0, 10], device)
+    t = torch.arange(s, device=device)
     valid = (t[None, None, :] >= first[:, None, None]) & (t[None, None, :] <= last[:, :, None])
     out = ops.exact_attention(q, k, v, valid, 0.2)
     assert torch.isfinite(out).all() and torch.equal(out[1, :, :10], torch.zeros_like(out[1, :, :10]))
     reference = ops._torch_attention(q, k, v, valid, 0.2)
     real = (last >= 0)[:, None, :, None].expand_as(out)
     assert torch.allclose(out[real], reference[real], atol=1e-5)
-    weights = _rand(*out.shape, device="cuda", seed=9) * real
+    weights = _rand(*out.shape, device=device, seed=9) * real
     grads = torch.autograd.grad((out * weights).sum(), (q, k, v))
     expected = torch.autograd.grad((reference * weights).sum(), (q, k, v))
     assert all(torch.allclose(g, e, atol=1e-4) for g, e in zip(grads, expected))
@@ -137,9 +138,10 @@ def test_it_compiles_for_sm90():
     from jetrl_trainer.kernels._triton_exact_attention_jit import exact_attention_kernel
 
     for kv, scaled in (("*bf16", False), ("*fp8e4nv", True)):  # the training forward; the engine's FP8 cache
-        pointers = dict(q_ptr="*bf16", k_ptr=kv, v_ptr=kv, out_ptr="*bf16", first_ptr="*i64", last_ptr="*i64",
-                        kv_rows_ptr="*i64", k_scale_ptr="*fp32", v_scale_ptr="*fp32")  # fmt: skip
-        ptx = compile_sm90(exact_attention_kernel, pointers, dict(GROUP=4, HEADS_KV=8, D=128, BLOCK_D=128, BLOCK_M=16,
-                                                                  BLOCK_N=64, KV_ROWS=scaled, SCALED=scaled),
+        pointers = dict(q_ptr="*bf16", k_ptr=kv, v_ptr=kv, out_ptr="*bf16", lse_ptr="*fp32", first_ptr="*i64",
+                        last_ptr="*i64", kv_rows_ptr="*i64", k_scale_ptr="*fp32", v_scale_ptr="*fp32")  # fmt: skip
+        constexprs = dict(GROUP=4, HEADS_KV=8, D=128, BLOCK_D=128, BLOCK_M=16, BLOCK_N=64, KV_ROWS=scaled, SCALED=scaled,
+                          WRITE_LSE=not scaled)  # fmt: skip
+        ptx = compile_sm90(exact_attention_kernel, pointers, constexprs,
                            floats=("scale",), launch=dict(num_warps=4), odd=("S", "T", "ROWS"))  # fmt: skip
         assert "ex2" in ptx
