@@ -20,6 +20,11 @@ __all__ = ["TRAINING_KERNEL_KINDS", "bench_ms", "bench_graph_ms", "cold_copies",
            "dump", "kernels_by_kind", "profile_kernels", "tflops"]
 
 
+# Qwen3-8B's layer shapes, for the benchmarks' random models (build_tiny_qwen3(..., **QWEN3_8B_SHAPE)).
+QWEN3_8B_SHAPE = dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
+                      head_dim=128, vocab_size=151936, tie_word_embeddings=False)  # fmt: skip
+
+
 def environment() -> dict:
     info = {
         "date": datetime.date.today().isoformat(),

@@ -28,7 +28,7 @@ import tempfile
 import time
 
 import torch
-from _common import TRAINING_KERNEL_KINDS, dump, environment, kernels_by_kind
+from _common import QWEN3_8B_SHAPE, TRAINING_KERNEL_KINDS, dump, environment, kernels_by_kind
 from datasets import Dataset
 
 from jetrl_trainer import JetGRPOConfig, JetGRPOTrainer
@@ -40,8 +40,7 @@ def _reward(completions, **kwargs) -> list[float]:
 
 
 def build_trainer(precision: str, args, tokenizer, out: str, captured: bool = False) -> JetGRPOTrainer:
-    shape = dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
-                 head_dim=128, vocab_size=151936, tie_word_embeddings=False) if args.shape == "8b" else {}  # fmt: skip
+    shape = QWEN3_8B_SHAPE if args.shape == "8b" else {}
     model = build_tiny_qwen3(tokenizer, num_hidden_layers=args.layers, max_position_embeddings=4096, seed=0,
                              dtype=torch.bfloat16 if args.device == "cuda" else torch.float32, **shape)  # fmt: skip
     config = JetGRPOConfig(

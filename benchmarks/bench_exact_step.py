@@ -21,7 +21,7 @@ import argparse
 import tempfile
 
 import torch
-from _common import dump, environment
+from _common import QWEN3_8B_SHAPE, dump, environment
 from datasets import Dataset
 from peft import LoraConfig
 
@@ -35,8 +35,6 @@ VARIANTS = {  # name -> (precision, exact_logprobs)
     "fp8": ("fp8", False),
     "fp8_exact": ("fp8", True),
 }
-SHAPE_8B = dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                vocab_size=151936, tie_word_embeddings=False)  # fmt: skip
 LORA = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, task_type="CAUSAL_LM",
                   target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])  # fmt: skip
 
@@ -58,7 +56,7 @@ def run(variant: str, args, tokenizer) -> dict:
 
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16).to(args.device)
     else:
-        shape = SHAPE_8B if args.shape == "8b" else {}
+        shape = QWEN3_8B_SHAPE if args.shape == "8b" else {}
         model = build_tiny_qwen3(tokenizer, num_hidden_layers=args.layers, max_position_embeddings=8192, seed=0,
                                  dtype=torch.bfloat16, **shape).to(args.device)  # fmt: skip
     # Ragged prompts: 8 distinct, of different lengths.

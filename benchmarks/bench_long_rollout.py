@@ -20,7 +20,7 @@ import argparse
 import time
 
 import torch
-from _common import dump, environment
+from _common import QWEN3_8B_SHAPE, dump, environment
 from transformers import GenerationConfig
 
 from jetrl_trainer.quant import PrecisionPhases, quantize_model
@@ -33,14 +33,12 @@ CONFIGS = {  # name -> (phase whose recipe the rollout runs, KV cache dtype)
     "fp8": ("rollout", "auto"),
     "fp8_kv": ("rollout", "fp8"),
 }
-SHAPE_8B = dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                vocab_size=151936, tie_word_embeddings=False)  # fmt: skip
 ATTENTION_KINDS = (("attention", ("decode_attention", "exact_attention")), ("gemm", ("gemm", "sm90", "nvjet", "cutlass")))
 
 
 def build(args):
     tokenizer = build_tiny_tokenizer(model_max_length=args.prompt + args.new + 128)
-    shape = SHAPE_8B if args.shape == "8b" else {}
+    shape = QWEN3_8B_SHAPE if args.shape == "8b" else {}
     model = build_tiny_qwen3(tokenizer, num_hidden_layers=args.layers, max_position_embeddings=args.prompt + args.new + 128,
                              seed=0, dtype=torch.bfloat16, **shape).to(args.device)  # fmt: skip
     quantize_model(model, train="bf16", rollout="fp8")

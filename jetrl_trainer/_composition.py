@@ -60,7 +60,7 @@ def resolve_exact_logprobs(args: Any, model: Any, *, diffusion: bool, cuda: bool
     ``None`` turns it on where it applies and the engine decodes on CPU. On CUDA the exact decode runs
     the engine's plain-torch path, not its kernels (docs/performance.md has the measured cost), so
     ``None`` leaves it off there, but for the FP8 KV cache in the unified flow, which needs it."""
-    from jetrl_trainer.config import exact_refusal
+    from jetrl_trainer.config import exact_refusal, unified_fp8_kv_refusal
     from jetrl_trainer.rollout.engine import unsupported_model_reason
 
     if args.exact_logprobs is False:
@@ -69,12 +69,9 @@ def resolve_exact_logprobs(args: Any, model: Any, *, diffusion: bool, cuda: bool
     if unmet is None:
         reason = unsupported_model_reason(model)
         unmet = f"the decode engine cannot run this model ({reason})" if reason is not None else None
-    unified_fp8_kv = args.rollout_kv_cache_dtype == "fp8" and args.train_precision == args.rollout_precision
-    if args.exact_logprobs or unified_fp8_kv:  # the config allows the unified FP8 cache under the contract only
+    if args.exact_logprobs or args.unified_fp8_kv:  # the config allows the unified FP8 cache under the contract only
         if unmet is not None:
-            raise exact_refusal(unmet) if args.exact_logprobs else ValueError(
-                f"rollout_kv_cache_dtype='fp8' in the unified flow runs under the exact contract, and {unmet}; keep "
-                "rollout_kv_cache_dtype='auto' for this model.")  # fmt: skip
+            raise exact_refusal(unmet) if args.exact_logprobs else unified_fp8_kv_refusal(unmet)
         return True, ("exact_logprobs=True" if args.exact_logprobs else
                       "the unified flow with the FP8 KV cache, which the training forward reads under the exact contract")
     if unmet is not None:

@@ -626,7 +626,7 @@ class JetGRPOConfig(GRPOConfig):
                 f"rollout_kv_cache_dtype={self.rollout_kv_cache_dtype!r} is the decode engine's cache format; set "
                 f"rollout_backend='engine' (got {self.rollout_backend!r}) or leave rollout_kv_cache_dtype='auto'."
             )
-        if self.train_precision == self.rollout_precision:
+        if self.unified_fp8_kv:
             self._check_unified_fp8_kv()
             return
         if not self.corrector_active:
@@ -634,6 +634,11 @@ class JetGRPOConfig(GRPOConfig):
                 "rollout_kv_cache_dtype='fp8' adds a rollout/training mismatch; set a corrector to manage it (e.g. "
                 "corrector='ais' or 'tis'), or leave rollout_kv_cache_dtype='auto'."
             )
+
+    @property
+    def unified_fp8_kv(self) -> bool:
+        """The FP8 KV cache in the unified flow, which runs under the exact contract only."""
+        return self.rollout_kv_cache_dtype == "fp8" and self.train_precision == self.rollout_precision
 
     def _check_unified_fp8_kv(self) -> None:
         """The FP8 cache in the unified flow: the training forward reads keys and values as the cache stores
@@ -648,8 +653,7 @@ class JetGRPOConfig(GRPOConfig):
             )
         unmet = self.exact_unmet()
         if unmet is not None:
-            raise ValueError(f"rollout_kv_cache_dtype='fp8' in the unified flow runs under the exact contract, and {unmet}; "
-                             "or keep rollout_kv_cache_dtype='auto'.")  # fmt: skip
+            raise unified_fp8_kv_refusal(unmet)
 
     def _check_vllm(self, as_set: str) -> None:
         """``rollout_backend="vllm"``: TRL's vLLM plumbing, with our corrector in place of TRL's IS correction.
@@ -783,6 +787,13 @@ class JetGRPOConfig(GRPOConfig):
         if antithetic and (8 if n_mc is None else n_mc) % 2:
             raise ValueError(f"likelihood_antithetic=True draws samples in pairs: likelihood_mc_samples must be even; "
                              f"got {n_mc}. Use e.g. {n_mc + 1}.")
+
+
+def unified_fp8_kv_refusal(unmet: str) -> ValueError:
+    """The error for the FP8 KV cache in the unified flow where ``unmet`` (what to change) stands in the way
+    of the exact contract it runs under."""
+    return ValueError(f"rollout_kv_cache_dtype='fp8' in the unified flow runs under the exact contract, and {unmet}; "
+                      "or keep rollout_kv_cache_dtype='auto'.")
 
 
 def exact_refusal(unmet: str) -> ValueError:

@@ -148,6 +148,8 @@ class TorchAttention:
     def __init__(self, view: DecoderView, rows: DecodeRows, exact: bool = False) -> None:
         self.view, self.rows, self.exact = view, rows, exact
         self.decode_attention = exact_decode_attention if exact else decode_attention
+        # The exact kernel's key runs over the cache (from slot position 0 to the live end), the same for every layer
+        self._runs = (torch.zeros_like(rows.lengths), (rows.lengths - 1)[:, None]) if exact else None
 
     def attend(self, i: int, plan: LayerPlan, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor) -> Activation:
         """Layer ``i``'s output ``(B, 1, H * D)`` for q ``(B, 1, H, D)``, k / v ``(B, 1, H_kv, D)`` before
@@ -166,8 +168,8 @@ class TorchAttention:
         """The exact attention kernel over layer ``i``'s cache in place (CUDA), ``(B, H, D)``; None elsewhere."""
         rows, cache = self.rows, self.rows.cache
         scales = dict(k_scale=cache.k_scale[i], v_scale=cache.v_scale[i]) if cache.fp8 else {}
-        out = exact_attention_over_runs(q, cache.k[i], cache.v[i], torch.zeros_like(rows.lengths),
-                                        (rows.lengths - 1)[:, None], self.view.scaling, kv_rows=rows.slots, **scales)  # fmt: skip
+        out = exact_attention_over_runs(q, cache.k[i], cache.v[i], *self._runs, self.view.scaling, kv_rows=rows.slots,
+                                        **scales)  # fmt: skip
         return None if out is None else out[:, :, 0]
 
 

@@ -248,10 +248,11 @@ class DecodeEngine:
         cache = DynamicCache()
         # Exact: a chunk of positions per forward over the cache of the earlier ones (the same bits).
         chunk = self.settings.prefill_chunk if self.settings.exact else ids.shape[1]
+        cached = {_cache_argument(v.model): cache}
         for start in range(0, ids.shape[1], chunk):
             end = start + chunk
             out = v.model(input_ids=ids[:, start:end], attention_mask=mask[:, :end], position_ids=positions[:, start:end],
-                          use_cache=True, logits_to_keep=1, **{_cache_argument(v.model): cache})  # fmt: skip
+                          use_cache=True, logits_to_keep=1, **cached)  # fmt: skip
         keys = [layer.keys for layer in cache.layers]
         values = [layer.values for layer in cache.layers]
         return keys, values, out.logits[:, -1].float()
