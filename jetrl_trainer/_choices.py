@@ -49,7 +49,7 @@ ROLLOUT_BACKENDS: tuple[str, ...] = ("auto", "hf", "continuous", "engine", "vllm
 KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8")
 # How the decode engine runs its step: Triton kernels in CUDA graphs, the same kernels eager, or the
 # model's modules with SDPA (rollout/engine/settings.py).
-DECODE_PATHS: tuple[str, ...] = ("graphs", "kernels", "torch")
+DECODE_PATHS: tuple[str, ...] = ("graphs", "kernels", "torch", "torch_graphs")
 UNRELEASED_ROLLOUT_BACKENDS: tuple[str, ...] = ()  # announced backends refused until they ship (none now)
 # rollout_precision values a vLLM rollout can run: its BF16 (checkpoint-dtype) model. FP8 in vLLM would
 # quantize the synced weights in vLLM's own kernels (not our quant modules): not built, so refused.

@@ -161,7 +161,7 @@ def test_fp32_master_weights_under_autocast_on_cuda(tmp_path, exact):
     trainer = make_trainer(tmp_path, model=tiny_model().cuda(), use_cpu=False, bf16=True, exact_logprobs=exact,
                            exact_check_every=1, train_precision="fp8", rollout_precision="fp8", **EXACT)  # fmt: skip
     logs, _ = train(trainer)
-    assert trainer.rollout_backend.last_stats["decode_path"] == ("torch" if exact else "graphs")
+    assert trainer.rollout_backend.last_stats["decode_path"] == ("torch_graphs" if exact else "graphs")
     if exact:
         _assert_exact(logs)
     else:

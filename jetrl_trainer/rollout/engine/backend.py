@@ -89,7 +89,8 @@ class EngineBackend(RolloutBackend):
         if not engine.settings.exact:  # the exact attention is the training forward's own
             self._say_once(arithmetic_note(engine.training_attention))
         seed = int(torch.randint(0, 2**62, ()).item())
-        with self.autocast() if engine.settings.decode_path == "torch" else contextlib.nullcontext():
+        modules = engine.settings.decode_path in ("torch", "torch_graphs")  # the model's modules: the trainer's autocast
+        with self.autocast() if modules else contextlib.nullcontext():
             ids, logprobs = engine.generate(
                 prompt_ids, sampling, eos_token_ids=self.eos_token_ids, seed=seed, pad_token_id=self.pad_token_id,
                 max_batch_size=max_batch_size, pad_to_multiple_of=self.pad_to_multiple_of,

@@ -77,9 +77,12 @@ def _cache_argument(model: nn.Module) -> str:
 
 
 def _decode_path(settings: EngineSettings, device: torch.device) -> str:
-    if settings.exact:
-        return "torch"
     available = cuda_graphs_available(device)
+    if settings.exact:  # the model's modules under the exact ops; captured where CUDA graphs run
+        if settings.decode_path == "torch_graphs" and not available:
+            raise ValueError(f"decode_path='torch_graphs' captures CUDA graphs, which need CUDA and Triton (the model "
+                             f"is on {device}); use decode_path='torch' or leave it None.")  # fmt: skip
+        return settings.decode_path or ("torch_graphs" if available else "torch")
     if settings.decode_path is None:
         return "graphs" if available else "torch"
     if settings.decode_path != "torch" and not available:
@@ -114,7 +117,7 @@ class DecodeEngine:
         self.view = DecoderView.from_model(model)
         self.modules = _module_ids(model)  # the module tree the view was read from
         self.settings = dataclasses.replace(settings, decode_path=_decode_path(settings, self.view.device))
-        self.on_kernels = self.settings.decode_path != "torch"
+        self.on_kernels = self.settings.decode_path in ("graphs", "kernels")
         self.plan = plan_decode(self.view, self.on_kernels)
         self.kv_cache_dtype = check_choice("kv_cache_dtype", kv_cache_dtype, KV_CACHE_DTYPES)
         self.kv_fp8 = self.kv_cache_dtype == "fp8"
@@ -211,7 +214,7 @@ class DecodeEngine:
         del kept
         if self.keep_state:
             max_len = -(-max_len // self.KEEP_LENGTH_MULTIPLE) * self.KEEP_LENGTH_MULTIPLE
-        v, slots, graphed = self.view, key[0], self.settings.decode_path == "graphs"
+        v, slots, graphed = self.view, key[0], self.settings.decode_path in ("graphs", "torch_graphs")
         cache = KVCache(
             num_layers=len(v.layers), num_slots=slots + graphed,  # + the graphs' scratch slot
             max_len=max_len, num_kv_heads=v.num_kv_heads, head_dim=v.head_dim, dtype=key[2], device=v.device,

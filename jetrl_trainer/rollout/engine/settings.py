@@ -29,7 +29,9 @@ class EngineSettings:
     """How a `DecodeEngine` runs its decode step and its generate loop.
 
     Parameters:
-        decode_path: ``"graphs"``: the step's Triton kernels (RoPE + KV append, split-KV attention,
+        decode_path: ``"torch_graphs"`` (``exact`` only): the model's modules under the exact ops,
+            captured in a CUDA graph per batch-size bucket (no host sync in that step).
+            ``"graphs"``: the step's Triton kernels (RoPE + KV append, split-KV attention,
             grouped FP8 GEMMs, fused epilogues), captured in a CUDA graph per batch-size bucket;
             ``"kernels"``: the same launches, eager (probes); ``"torch"``: the model's modules and
             SDPA over each row's live KV (CPU, and the reference). None: ``"graphs"`` on CUDA with
@@ -41,7 +43,8 @@ class EngineSettings:
         exact: decode with the batch-invariant ops of `jetrl_trainer.exact` (the model's modules under
             `ExactOps`, the exact attention over the cache), so that every recorded log-prob is the bit
             the training forward under `ExactOps` computes (docs/architecture.md#exact-on-policy). It runs
-            the ``"torch"`` decode path on any device: the kernel path has no exact kernels yet.
+            the model's modules, captured (``"torch_graphs"``) where CUDA graphs run, else eager
+            (``"torch"``): the kernel path has no exact kernels yet.
         prefill_chunk: with ``exact``, the prefill runs the prompts ``prefill_chunk`` positions per
             forward, attending over the earlier chunks' keys, so a long prompt's activations are
             held a chunk at a time. Under the exact ops a query's bits do not depend on which others
@@ -66,8 +69,11 @@ class EngineSettings:
             names = ", ".join(b.name for b in MATCHED_BACKENDS)
             raise ValueError(f"EngineSettings.attention_order must be None or one of {names}; "
                              f"got {self.attention_order!r}.")  # fmt: skip
-        if self.exact and self.decode_path not in (None, "torch"):
-            raise ValueError(f"EngineSettings(exact=True) decodes on the 'torch' path; got decode_path="
+        if self.decode_path == "torch_graphs" and not self.exact:
+            raise ValueError("decode_path='torch_graphs' captures the exact decode (exact=True); the plain-torch decode "
+                             "reads each row's live length on the host and cannot be captured.")  # fmt: skip
+        if self.exact and self.decode_path not in (None, "torch", "torch_graphs"):
+            raise ValueError(f"EngineSettings(exact=True) decodes on the 'torch' or 'torch_graphs' path; got decode_path="
                              f"{self.decode_path!r}. Leave decode_path None.")  # fmt: skip
         if not isinstance(self.attention, DecodeAttentionSettings):
             raise ValueError(f"EngineSettings.attention must be a DecodeAttentionSettings; got {self.attention!r}.")

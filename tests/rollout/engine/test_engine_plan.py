@@ -39,12 +39,14 @@ def test_settings_are_frozen_and_refuse_unknown_choices():
     with pytest.raises(dataclasses.FrozenInstanceError):
         settings.decode_path = "torch"
     assert dataclasses.replace(settings, decode_path="kernels").decode_path == "kernels"
-    with pytest.raises(ValueError, match="decode_path must be one of graphs, kernels, torch; got 'cuda'"):
+    with pytest.raises(ValueError, match="decode_path must be one of graphs, kernels, torch, torch_graphs; got 'cuda'"):
         EngineSettings(decode_path="cuda")
     with pytest.raises(ValueError, match="attention_order must be None or one of CUDNN_ATTENTION, FLASH_ATTENTION"):
         EngineSettings(attention_order=SDPBackend.MATH)
     with pytest.raises(ValueError, match="must be a DecodeAttentionSettings"):
         EngineSettings(attention={"num_warps": 8})
+    with pytest.raises(ValueError, match="decode_path='torch_graphs' captures the exact decode"):
+        EngineSettings(decode_path="torch_graphs")
     for bad in (0, -64, 2.5, True):
         with pytest.raises(ValueError, match="prefill_chunk must be a positive number of positions"):
             EngineSettings(prefill_chunk=bad)
