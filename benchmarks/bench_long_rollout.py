@@ -1,16 +1,18 @@
-"""Long rollouts on the decode engine: BF16, FP8 linears with the BF16 cache, FP8 linears with the FP8 cache.
+"""Long rollouts on the decode engine: BF16, FP8 linears with the BF16 cache, FP8 linears with the FP8 cache
+(on the kernel path, and under the exact contract as the unified flow runs it).
 
 A random Qwen3 of Qwen3-8B's layer shapes (``--layers``), prompts of ``--prompt`` tokens, ``--new`` new
 tokens per sequence (8,192; 16,384 at fewer sequences). Every configuration decodes the same
 ``--sequences`` sequences through as many slots as its cache format fits in ``--kv-gib`` (default:
-the memory free after the weights, less ``--margin-gib`` for activations and graphs), a finished
-sequence's slot refilled by a waiting one, as ``rollout_kv_cache_gib`` runs a rollout. Per
-configuration: the slots (the largest batch that fits), tok/s, ms per decode step, peak memory, the
-KV cache's bytes, and (CUDA) where a decode step's GPU time goes at mid-length, attention's share
-first. The engine's kernel path, not the exact one: these are its speed and memory figures; the
-exact contract's own cost is ``bench_exact_step.py``'s.
+the memory free once the configuration's weights exist, its FP8 weight cache included, less
+``--margin-gib`` for activations and graphs), a finished sequence's slot refilled by a waiting one, as
+``rollout_kv_cache_gib`` runs a rollout. Per configuration: the slots, the largest batch that fits
+that budget at 8k and 16k new tokens, tok/s, ms per decode step, peak memory, the KV cache's bytes,
+and (CUDA, kernel path) where a decode step's GPU time goes at mid-length, attention's share first.
+``fp8_kv_exact`` decodes under the exact contract, as the unified flow with the FP8 cache does; the
+others run the engine's kernel path.
 
-Usage: ``python benchmarks/bench_long_rollout.py [--new 8192] [--sequences 64] [--configs bf16,fp8,fp8_kv]``;
+Usage: ``python benchmarks/bench_long_rollout.py [--new 8192] [--sequences 64] [--configs bf16,fp8,fp8_kv,fp8_kv_exact]``;
 ``--shape tiny --device cpu --new 64`` is a smoke run on CPU.
 """
 
@@ -24,14 +26,17 @@ from _common import QWEN3_8B_SHAPE, dump, environment
 from transformers import GenerationConfig
 
 from jetrl_trainer.quant import PrecisionPhases, quantize_model
-from jetrl_trainer.rollout.engine import DecodeEngine
+from jetrl_trainer.rollout.engine import DecodeEngine, EngineSettings
 from jetrl_trainer.rollout.engine.kv_cache import KVCache
 from jetrl_trainer.tiny import build_tiny_qwen3, build_tiny_tokenizer
 
-CONFIGS = {  # name -> (phase whose recipe the rollout runs, KV cache dtype)
-    "bf16": ("train", "auto"),
-    "fp8": ("rollout", "auto"),
-    "fp8_kv": ("rollout", "fp8"),
+CONFIGS = {  # name -> (phase whose recipe the rollout runs, KV cache dtype, exact decode)
+    "bf16": ("train", "auto", False),
+    "fp8": ("rollout", "auto", False),
+    "fp8_kv": ("rollout", "fp8", False),
+    # The unified flow's FP8 cache as the trainer runs it: under the exact contract, whose decode is the
+    # model's modules under the exact ops (captured on CUDA), not the kernel path the rows above time.
+    "fp8_kv_exact": ("rollout", "fp8", True),
 }
 ATTENTION_KINDS = (("attention", ("decode_attention", "exact_attention")), ("gemm", ("gemm", "sm90", "nvjet", "cutlass")))
 
@@ -72,19 +77,36 @@ def attention_share(engine: DecodeEngine, model, slots: int, length: int) -> dic
                 attention_share=round(attention / kinds["gpu_ms"], 3) if kinds["gpu_ms"] else None)  # fmt: skip
 
 
-def run(name: str, model, args, budget_bytes: int) -> dict:
-    phase, kv_dtype = CONFIGS[name]
+def free_budget(args) -> int:
+    """The KV budget: ``--kv-gib``, else the device's free memory less ``--margin-gib`` (1 GiB on CPU)."""
+    if args.kv_gib is not None:
+        return int(args.kv_gib * 2**30)
+    if args.device != "cuda":
+        return 2**30
+    torch.cuda.empty_cache()
+    return int(torch.cuda.mem_get_info()[0] - args.margin_gib * 2**30)
+
+
+def run(name: str, model, args, budget_bytes: int | None = None) -> dict:
+    """One configuration. ``budget_bytes`` None: `free_budget`, measured once the configuration's own weights
+    exist (the FP8 recipe's weight cache, about half the BF16 weights, is filled by its first call)."""
+    phase, kv_dtype, exact = CONFIGS[name]
     per_sequence = args.prompt + args.new
-    slots = min(args.sequences, slots_that_fit(model, kv_dtype, per_sequence, budget_bytes))
-    if slots < 1:
-        return dict(slots=0, note=f"one sequence of {per_sequence} positions does not fit in {budget_bytes / 2**30:.1f} GiB")
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, 150, (args.prompt,), generator=g).tolist() for _ in range(8)]
     prompts = [prompts[i % 8] for i in range(args.sequences)]
     config = GenerationConfig(max_new_tokens=args.new, do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
     cuda = args.device == "cuda"
     with torch.no_grad(), PrecisionPhases(model).use(phase):
-        engine = DecodeEngine(model, kv_cache_dtype=kv_dtype)
+        engine = DecodeEngine(model, kv_cache_dtype=kv_dtype, settings=EngineSettings(exact=exact))
+        if budget_bytes is None:
+            engine.generate(prompts[:1], GenerationConfig(max_new_tokens=2, do_sample=False), eos_token_ids=[-1], seed=0)
+            budget_bytes = free_budget(args)
+        fits = {f"{n // 1024}k": slots_that_fit(model, kv_dtype, args.prompt + n, budget_bytes) for n in (8192, 16384)}
+        slots = min(args.sequences, slots_that_fit(model, kv_dtype, per_sequence, budget_bytes))
+        if slots < 1:
+            return dict(slots=0, kv_budget_gib=round(budget_bytes / 2**30, 2),
+                        note=f"one sequence of {per_sequence} positions does not fit in {budget_bytes / 2**30:.1f} GiB")  # fmt: skip
         warm = GenerationConfig(**{**config.to_dict(), "max_new_tokens": 8})  # compiles and captures outside the timing
         engine.generate(prompts[:slots], warm, eos_token_ids=[-1], seed=0, max_batch_size=slots)
         if cuda:
@@ -98,13 +120,14 @@ def run(name: str, model, args, budget_bytes: int) -> dict:
         generated = sum(map(len, ids))
         waves = -(-args.sequences // slots)
         result = dict(
-            kv_cache=kv_dtype, slots=slots, sequences=args.sequences, generated_tokens=generated,
+            kv_cache=kv_dtype, kv_budget_gib=round(budget_bytes / 2**30, 2), slots=slots, largest_batch=fits,
+            sequences=args.sequences, generated_tokens=generated,
             seconds=round(seconds, 2), tok_per_s=round(generated / seconds, 1),
             ms_per_step=round(1e3 * seconds / (waves * args.new), 3),
             peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
             kv_cache_gib=round(engine.last_stats["kv_cache_bytes"] / 2**30, 2), decode_path=engine.settings.decode_path,
         )  # fmt: skip
-        if cuda:
+        if cuda and not exact:  # the profile times the kernel path's step; the exact step runs the model's modules
             result["mid_length_step"] = attention_share(engine, model, slots, args.prompt + args.new // 2)
     del engine
     torch.cuda.empty_cache() if cuda else None
@@ -128,16 +151,9 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"unknown --configs {unknown}; choose from {', '.join(CONFIGS)}")
     model = build(args)
-    if args.kv_gib is not None:
-        budget = int(args.kv_gib * 2**30)
-    elif args.device == "cuda":
-        # The rollout recipe's FP8 weight cache is filled by the first FP8 call; leave room for it too.
-        budget = int(torch.cuda.mem_get_info()[0] - args.margin_gib * 2**30)
-    else:
-        budget = 2**30
-    result = dict(benchmark="long_rollout", env=environment(), args=vars(args), kv_budget_gib=round(budget / 2**30, 2))
+    result = dict(benchmark="long_rollout", env=environment(), args=vars(args))
     for name in names:
-        result[name] = run(name, model, args, budget)
+        result[name] = run(name, model, args)
         print(name, result[name], flush=True)
     if "bf16" in result and "fp8_kv" in result and result["bf16"].get("tok_per_s"):
         result["fp8_kv_over_bf16_tok_per_s"] = round(result["fp8_kv"]["tok_per_s"] / result["bf16"]["tok_per_s"], 3)

@@ -19,6 +19,19 @@ def test_the_fp8_cache_gets_more_slots_from_the_same_budget_and_every_configurat
     model = bench.build(args)
     budget = 4 * (args.prompt + args.new) * 2 * 2 * 2 * 32 * 2  # four BF16 sequences of the tiny model
     rows = {name: bench.run(name, model, args, budget) for name in bench.CONFIGS}
-    assert {name: row["slots"] for name, row in rows.items()} == {"bf16": 4, "fp8": 4, "fp8_kv": 6}
+    assert {name: row["slots"] for name, row in rows.items()} == {"bf16": 4, "fp8": 4, "fp8_kv": 6, "fp8_kv_exact": 6}
     assert all(row["generated_tokens"] == 6 * 16 and row["tok_per_s"] > 0 for row in rows.values())
+    # the largest batch at 8k / 16k new tokens from the same budget: the FP8 cache holds about twice the BF16 one
+    bf16, fp8 = rows["bf16"]["largest_batch"], rows["fp8_kv"]["largest_batch"]
+    assert bf16 == {"8k": budget // ((32 + 8192) * 512), "16k": budget // ((32 + 16384) * 512)}
+    assert fp8 == {n: bench.slots_that_fit(model, "fp8", 32 + 1024 * int(n[:-1]), budget) for n in fp8}
+    big = 2**40  # at a budget where the counts are large: the FP8 cache (a byte and a per-vector scale) fits ~1.8x
+    per_8k = {dtype: bench.slots_that_fit(model, dtype, 32 + 8192, big) for dtype in ("auto", "fp8")}
+    assert 1.7 * per_8k["auto"] <= per_8k["fp8"] <= 2 * per_8k["auto"]
     assert bench.run("bf16", model, args, budget // 8)["slots"] == 0  # not one sequence: said, not run
+
+
+def test_without_a_budget_each_configuration_measures_its_own_after_its_weights_exist():
+    args = argparse.Namespace(layers=2, prompt=8, new=4, sequences=2, shape="tiny", device="cpu", kv_gib=None, margin_gib=0.0)
+    row = bench.run("fp8_kv", bench.build(args), args)
+    assert row["kv_budget_gib"] == 1.0 and row["slots"] == 2 and row["generated_tokens"] == 2 * 4  # CPU: 1 GiB
