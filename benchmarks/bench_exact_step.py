@@ -8,8 +8,9 @@ first, which compiles), split into rollout and the rest (training), rollout toke
 ``mismatch/logp_abs_diff_max`` and the share of equal bits (exact mode: from its checked first step;
 the later ones skip the old-log-prob forward, as ``exact_check_every=10`` does; the plain variants
 run that forward every step, ``log_mismatch``'s default). Exact mode
-runs the engine's plain-torch decode and, for FP8, the emulated product (docs/performance.md says
-what that costs and why).
+decodes with the model's modules under the exact ops (captured in CUDA graphs on CUDA), not the
+engine's fused kernels (docs/performance.md says what that costs and why). ``fp8_exact_kv`` is the
+unified flow with the FP8 KV cache (exact by contract).
 
 Usage: ``python benchmarks/bench_exact_step.py [--layers 36] [--new 512] [--steps 3] [--variants ...]``;
 ``--model FOLDER --device cpu`` runs a local checkpoint (SmolLM2-135M-Instruct's cached copy) on CPU.
@@ -29,11 +30,12 @@ from jetrl_trainer import JetGRPOConfig, JetGRPOTrainer
 from jetrl_trainer.study.recorder import RolloutClock, RunRecorder
 from jetrl_trainer.tiny import build_tiny_qwen3, build_tiny_tokenizer
 
-VARIANTS = {  # name -> (precision, exact_logprobs)
-    "bf16": ("bf16", False),
-    "bf16_exact": ("bf16", True),
-    "fp8": ("fp8", False),
-    "fp8_exact": ("fp8", True),
+VARIANTS = {  # name -> (precision, exact_logprobs, rollout_kv_cache_dtype)
+    "bf16": ("bf16", False, "auto"),
+    "bf16_exact": ("bf16", True, "auto"),
+    "fp8": ("fp8", False, "auto"),
+    "fp8_exact": ("fp8", True, "auto"),
+    "fp8_exact_kv": ("fp8", True, "fp8"),
 }
 LORA = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, task_type="CAUSAL_LM",
                   target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])  # fmt: skip
@@ -50,7 +52,7 @@ def _mean(values) -> float:
 
 
 def run(variant: str, args, tokenizer) -> dict:
-    precision, exact = VARIANTS[variant]
+    precision, exact, kv_cache_dtype = VARIANTS[variant]
     if args.model:  # a local checkpoint (e.g. SmolLM2-135M-Instruct's cached BF16 copy), with its tokenizer
         from transformers import AutoModelForCausalLM
 
@@ -70,6 +72,7 @@ def run(variant: str, args, tokenizer) -> dict:
             learning_rate=1e-6, report_to="none", bf16=args.device == "cuda", use_cpu=args.device == "cpu",
             save_strategy="no", disable_tqdm=True, seed=0, train_precision=precision, rollout_precision=precision,
             rollout_backend="engine", rollout_keep_engine_state=True, exact_logprobs=exact,
+            rollout_kv_cache_dtype=kv_cache_dtype,
             gradient_checkpointing=False,
         )  # fmt: skip
         trainer = JetGRPOTrainer(model, _reward, args=config, train_dataset=prompts, processing_class=tokenizer,

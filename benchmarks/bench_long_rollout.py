@@ -12,7 +12,7 @@ and (CUDA, kernel path) where a decode step's GPU time goes at mid-length, atten
 ``fp8_kv_exact`` decodes under the exact contract, as the unified flow with the FP8 cache does; the
 others run the engine's kernel path.
 
-Usage: ``python benchmarks/bench_long_rollout.py [--new 8192] [--sequences 64] [--configs bf16,fp8,fp8_kv,fp8_kv_exact]``;
+Usage: ``python benchmarks/bench_long_rollout.py [--new 8192] [--sequences 64] [--configs bf16,fp8_kv,...]``;
 ``--shape tiny --device cpu --new 64`` is a smoke run on CPU.
 """
 
@@ -102,7 +102,8 @@ def run(name: str, model, args, budget_bytes: int | None = None) -> dict:
         if budget_bytes is None:
             engine.generate(prompts[:1], GenerationConfig(max_new_tokens=2, do_sample=False), eos_token_ids=[-1], seed=0)
             budget_bytes = free_budget(args)
-        fits = {f"{n // 1024}k": slots_that_fit(model, kv_dtype, args.prompt + n, budget_bytes) for n in (8192, 16384)}
+        fits = {f"{n // 1024}k": slots_that_fit(model, kv_dtype, args.prompt + n, budget_bytes)
+                for n in (8192, 16384)}  # fmt: skip
         slots = min(args.sequences, slots_that_fit(model, kv_dtype, per_sequence, budget_bytes))
         if slots < 1:
             return dict(slots=0, kv_budget_gib=round(budget_bytes / 2**30, 2),
@@ -127,7 +128,7 @@ def run(name: str, model, args, budget_bytes: int | None = None) -> dict:
             peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
             kv_cache_gib=round(engine.last_stats["kv_cache_bytes"] / 2**30, 2), decode_path=engine.settings.decode_path,
         )  # fmt: skip
-        if cuda and not exact:  # the profile times the kernel path's step; the exact step runs the model's modules
+        if cuda and not exact:  # the profile times the kernel path's step (the exact step is the model's modules)
             result["mid_length_step"] = attention_share(engine, model, slots, args.prompt + args.new // 2)
     del engine
     torch.cuda.empty_cache() if cuda else None

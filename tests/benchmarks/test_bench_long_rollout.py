@@ -32,6 +32,7 @@ def test_the_fp8_cache_gets_more_slots_from_the_same_budget_and_every_configurat
 
 
 def test_without_a_budget_each_configuration_measures_its_own_after_its_weights_exist():
-    args = argparse.Namespace(layers=2, prompt=8, new=4, sequences=2, shape="tiny", device="cpu", kv_gib=None, margin_gib=0.0)
+    args = argparse.Namespace(layers=2, prompt=8, new=4, sequences=2, shape="tiny", device="cpu", kv_gib=None,
+                              margin_gib=0.0)  # fmt: skip
     row = bench.run("fp8_kv", bench.build(args), args)
     assert row["kv_budget_gib"] == 1.0 and row["slots"] == 2 and row["generated_tokens"] == 2 * 4  # CPU: 1 GiB
