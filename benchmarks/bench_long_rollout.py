@@ -8,9 +8,9 @@ the memory free once the configuration's weights exist, its FP8 weight cache inc
 ``--margin-gib`` for activations and graphs), a finished sequence's slot refilled by a waiting one, as
 ``rollout_kv_cache_gib`` runs a rollout. Per configuration: the slots, the largest batch that fits
 that budget at 8k and 16k new tokens, tok/s, ms per decode step, peak memory, the KV cache's bytes,
-and (CUDA, kernel path) where a decode step's GPU time goes at mid-length, attention's share first.
-``fp8_kv_exact`` decodes under the exact contract, as the unified flow with the FP8 cache does; the
-others run the engine's kernel path.
+and (CUDA) where a decode step's GPU time goes at mid-length, by kernel kind. ``fp8_kv_exact`` decodes
+under the exact contract, as the unified flow with the FP8 cache does, and ``bf16_exact`` as the
+unified BF16 flow with ``exact_logprobs``; the others run the engine's kernel path.
 
 Usage: ``python benchmarks/bench_long_rollout.py [--new 8192] [--sequences 64] [--configs bf16,fp8_kv,...]``;
 ``--shape tiny --device cpu --new 64`` is a smoke run on CPU.
@@ -25,20 +25,23 @@ import torch
 from _common import QWEN3_8B_SHAPE, dump, environment
 from transformers import GenerationConfig
 
+from jetrl_trainer.exact import ExactOps
 from jetrl_trainer.quant import PrecisionPhases, quantize_model
 from jetrl_trainer.rollout.engine import DecodeEngine, EngineSettings
-from jetrl_trainer.rollout.engine.kv_cache import KVCache
+from jetrl_trainer.rollout.engine.kv_cache import KVCache, kv_roundtrip
 from jetrl_trainer.tiny import build_tiny_qwen3, build_tiny_tokenizer
 
 CONFIGS = {  # name -> (phase whose recipe the rollout runs, KV cache dtype, exact decode)
     "bf16": ("train", "auto", False),
     "fp8": ("rollout", "auto", False),
     "fp8_kv": ("rollout", "fp8", False),
-    # The unified flow's FP8 cache as the trainer runs it: under the exact contract, whose decode is the
-    # model's modules under the exact ops (captured on CUDA), not the kernel path the rows above time.
+    "bf16_exact": ("train", "auto", True),
+    # Under the exact contract (the unified flow with the FP8 cache always is): the model's modules under the
+    # exact ops, captured on CUDA, not the kernel path the rows above time.
     "fp8_kv_exact": ("rollout", "fp8", True),
 }
-ATTENTION_KINDS = (("attention", ("decode_attention", "exact_attention")), ("gemm", ("gemm", "sm90", "nvjet", "cutlass")))
+ATTENTION_KINDS = (("attention", ("decode_attention", "exact_attention")),
+                   ("gemm", ("gemm", "matmul", "sm90", "nvjet", "cutlass")), ("quant", ("quant",)))  # fmt: skip
 
 
 def build(args):
@@ -58,7 +61,8 @@ def slots_that_fit(model, kv_dtype: str, per_sequence: int, budget_bytes: int) -
 
 
 def attention_share(engine: DecodeEngine, model, slots: int, length: int) -> dict:
-    """GPU time of one eager decode step at ``length`` live positions, by kernel kind (CUDA)."""
+    """GPU time of one eager decode step at ``length`` live positions, by kernel kind (CUDA); an exact
+    engine's step runs under the exact ops, as its ``generate`` runs it."""
     from _common import kernels_by_kind
 
     v = engine.view
@@ -69,12 +73,14 @@ def attention_share(engine: DecodeEngine, model, slots: int, length: int) -> dic
 
     def step():
         cache.lengths.fill_(length)
-        engine.decode_step(cache, rows, tokens)
+        with ExactOps.entered(engine.settings.exact, kv_roundtrip(engine.kv_cache_dtype)):
+            engine.decode_step(cache, rows, tokens)
 
-    kinds = kernels_by_kind(step, 2, ATTENTION_KINDS)
+    kinds = kernels_by_kind(step, 2, ATTENTION_KINDS, top=8)
     attention = kinds["by_kind"].get("attention", {}).get("ms", 0.0)
-    return dict(step_gpu_ms=kinds["gpu_ms"], attention_ms=attention,
-                attention_share=round(attention / kinds["gpu_ms"], 3) if kinds["gpu_ms"] else None)  # fmt: skip
+    return dict(step_gpu_ms=kinds["gpu_ms"], attention_ms=attention, launches=kinds["launches"],
+                attention_share=round(attention / kinds["gpu_ms"], 3) if kinds["gpu_ms"] else None,
+                by_kind=kinds["by_kind"], top=kinds["top"])  # fmt: skip
 
 
 def free_budget(args) -> int:
@@ -128,7 +134,7 @@ def run(name: str, model, args, budget_bytes: int | None = None) -> dict:
             peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
             kv_cache_gib=round(engine.last_stats["kv_cache_bytes"] / 2**30, 2), decode_path=engine.settings.decode_path,
         )  # fmt: skip
-        if cuda and not exact:  # the profile times the kernel path's step (the exact step is the model's modules)
+        if cuda:
             result["mid_length_step"] = attention_share(engine, model, slots, args.prompt + args.new // 2)
     del engine
     torch.cuda.empty_cache() if cuda else None

@@ -19,7 +19,7 @@ def test_the_fp8_cache_gets_more_slots_from_the_same_budget_and_every_configurat
     model = bench.build(args)
     budget = 4 * (args.prompt + args.new) * 2 * 2 * 2 * 32 * 2  # four BF16 sequences of the tiny model
     rows = {name: bench.run(name, model, args, budget) for name in bench.CONFIGS}
-    assert {name: row["slots"] for name, row in rows.items()} == {"bf16": 4, "fp8": 4, "fp8_kv": 6, "fp8_kv_exact": 6}
+    assert {name: row["slots"] for name, row in rows.items()} == {"bf16": 4, "fp8": 4, "fp8_kv": 6, "bf16_exact": 4, "fp8_kv_exact": 6}
     assert all(row["generated_tokens"] == 6 * 16 and row["tok_per_s"] > 0 for row in rows.values())
     # the largest batch at 8k / 16k new tokens from the same budget: the FP8 cache holds about twice the BF16 one
     bf16, fp8 = rows["bf16"]["largest_batch"], rows["fp8_kv"]["largest_batch"]
