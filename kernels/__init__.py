@@ -96,7 +96,12 @@ def reset_kernel_caches() -> None:
 
 
 def _import_optional(name: str) -> None:
-    fqn = f"{__name__}.{name}"
+    # Always under the package's own name, never ``__name__``'s: with the checkout's root on sys.path
+    # (``python -m pytest`` from it) this folder is also the top-level ``kernels``, which transformers
+    # imports while probing for the Hub's ``kernels`` package. Importing the GPU modules again as
+    # ``kernels.<name>`` would define every ``jetrl::`` custom op a second time; torch.library then destroys
+    # the first definition, and the ops these modules call under torch.compile point at a freed operator.
+    fqn = f"jetrl_trainer.kernels.{name}"
     if importlib.util.find_spec(fqn) is None:
         return
     try:

@@ -8,6 +8,7 @@ import importlib
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -102,6 +103,34 @@ def test_cpu_path_survives_broken_gpu_modules():
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
     for name in ("triton_quant", "triton_norm", "triton_swiglu"):
         assert f"skipping jetrl_trainer.kernels.{name} (RuntimeError: simulated broken GPU build)" in out.stderr
+
+
+@pytest.mark.interpreter  # the custom ops are defined where Triton is installed: CI's kernel step (.ci/interpret.sh)
+def test_the_checkout_imported_as_kernels_defines_no_custom_op_again():
+    """From the checkout's root (``python -m pytest`` puts it on ``sys.path``) the folder ``kernels/`` is also the
+    top-level package ``kernels``, which transformers imports while probing for the Hub's ``kernels`` package
+    (``is_kernels_available()``, where that package's metadata is missing). That import must not define the
+    ``jetrl::`` custom ops a second time: torch.library would destroy the first definition, and the ops this
+    package calls under torch.compile (``call_op``) would point at a freed operator, which dynamo's
+    fake-tensor pass then calls (a segfault on CUDA)."""
+    code = textwrap.dedent(
+        """
+        import importlib, sys, torch
+        from torch._library.custom_ops import CustomOpDef
+        import jetrl_trainer.kernels as k
+        importlib.import_module("kernels")  # what the probe does; the checkout's root is sys.path[0]
+        assert sys.modules["kernels"].__file__.endswith("kernels/__init__.py"), sys.modules["kernels"]
+        ops = [v for module in k._loaded.values() for v in vars(module).values() if isinstance(v, CustomOpDef)]
+        assert len(ops) >= 7, ops
+        stale = [op._qualname for op in ops if op._opoverload is not getattr(torch.ops.jetrl, op._name).default]
+        assert not stale, f"custom ops defined again, their OpOverloads dangle: {stale}"
+        assert not [m for m in sys.modules if m.startswith("kernels.")], "GPU modules imported twice"
+        print("ok")
+        """
+    )
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=root)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
 
 
 def test_custom_op_fake_shapes_on_meta():
