@@ -10,8 +10,9 @@ float8 modules each hold their config.
 * :class:`DecodeAttentionSettings`: held by the decode engine (``rollout/engine``).
 * :class:`TritonGemmSettings`: the portable Triton GEMM backend's tiles, an argument of
   ``triton_fp8_gemm_nt`` (the GEMM registry calls it with the defaults).
-* :class:`InvariantMatmulSettings`: the batch-invariant matmul's tiles, held by
-  ``jetrl_trainer.exact`` (one object for both phases: its tiles are part of the exact contract).
+* :class:`InvariantMatmulSettings`, :class:`ExactAttentionSettings` and :class:`RowSumSettings`: the
+  exact ops' kernels, held by ``jetrl_trainer.exact`` (one object each for both phases: their tiles
+  are part of the exact contract).
 
 A benchmark that compares two settings builds two objects (``dataclasses.replace``). Pure Python:
 importing this module imports no Triton.
@@ -27,6 +28,7 @@ __all__ = [
     "ExactAttentionSettings",
     "InvariantMatmulSettings",
     "QuantKernelSettings",
+    "RowSumSettings",
     "TritonGemmSettings",
 ]
 
@@ -197,3 +199,23 @@ class InvariantMatmulSettings:
 
     def __post_init__(self) -> None:
         _positive(self, "block_m", "block_n", "block_k", "block_k_fp32", "num_warps", "num_stages")
+
+
+@dataclass(frozen=True)
+class RowSumSettings:
+    """The batch-invariant row sum (``kernels/triton_row_sum.py``). Its chunk width fixes each row's
+    summation order, so the rollout and the training forward must launch it with the same object:
+    ``jetrl_trainer.exact`` holds the one both use.
+
+    Parameters:
+        block_k: the widest chunk of a row that one step loads (narrower where K is smaller).
+        num_warps: Triton launch parameter (one row per program).
+    """
+
+    block_k: int = 1024
+    num_warps: int = 4
+
+    def __post_init__(self) -> None:
+        _positive(self, "block_k", "num_warps")
+        if self.block_k & (self.block_k - 1):
+            raise ValueError(f"RowSumSettings.block_k must be a power of two (a Triton block); got {self.block_k!r}.")

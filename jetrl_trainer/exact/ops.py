@@ -36,7 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from jetrl_trainer.kernels.settings import ExactAttentionSettings, InvariantMatmulSettings
+from jetrl_trainer._choices import FLOAT_DTYPES
+from jetrl_trainer.kernels.settings import ExactAttentionSettings, InvariantMatmulSettings, RowSumSettings
 
 __all__ = [
     "KV_TILE",
@@ -57,6 +58,7 @@ KV_TILE = 64  # keys per attention tile
 _MASKED = torch.finfo(torch.float32).min  # finite, so a query with no key left gives no NaN
 ATTENTION = ExactAttentionSettings()  # the CUDA attention kernel's tiles: both phases launch it with this one
 MATMUL = InvariantMatmulSettings()  # the CUDA matmul kernel's tiles: both phases launch it with this one
+ROW_SUM = RowSumSettings()  # the CUDA row-sum kernel's chunks: both phases launch it with this one
 
 
 def row_invariant_matmul(a: Tensor, b: Tensor) -> Tensor:
@@ -143,12 +145,43 @@ def exact_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tenso
 
 
 def row_mean(x: Tensor) -> Tensor:
-    """``x.mean(-1, keepdim=True)`` as a `row_invariant_matmul` with a ones column: a GPU reduction
-    kernel picks its thread layout by the number of rows, this sums each row in one fixed order."""
-    ones = torch.ones(x.shape[-1], 1, dtype=x.dtype, device=x.device)
+    """``x.mean(-1, keepdim=True)`` with each row summed in one fixed order: a torch reduction kernel
+    picks its thread layout by the number of rows. The row-sum kernel where Triton runs (`_RowSum`),
+    elsewhere a `row_invariant_matmul` with a ones column."""
     rows = x.reshape(-1, x.shape[-1])
     with torch.autocast(x.device.type, enabled=False):  # a mean keeps its dtype under autocast
-        return (row_invariant_matmul(rows, ones) / x.shape[-1]).view(*x.shape[:-1], 1)
+        if _row_sum_kernel_runs(x):
+            sums = _RowSum.apply(rows)
+        else:
+            sums = row_invariant_matmul(rows, torch.ones(x.shape[-1], 1, dtype=x.dtype, device=x.device))
+        return (sums / x.shape[-1]).view(*x.shape[:-1], 1)
+
+
+def _row_sum_kernel_runs(x: Tensor) -> bool:
+    """CUDA with Triton; CPU tensors too under Triton's interpreter (tests/exact/test_exact_kernel_path.py)."""
+    on = x.is_cuda or (x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+    return on and x.dtype in FLOAT_DTYPES and _triton_row_sum() is not None
+
+
+def _triton_row_sum():
+    from jetrl_trainer import kernels
+
+    return kernels.optional_module("triton_row_sum") if kernels.triton_enabled() else None
+
+
+class _RowSum(torch.autograd.Function):
+    """Each row's sum ``(M, 1)`` in the input's dtype, from the kernel's FP32 sum; the gradient is
+    the incoming one spread over the row."""
+
+    @staticmethod
+    @_plain_torch
+    def forward(ctx, rows: Tensor) -> Tensor:
+        ctx.k = rows.shape[-1]
+        return _triton_row_sum().row_sum(rows, ROW_SUM)[:, None].to(rows.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        return grad.expand(grad.shape[0], ctx.k)
 
 
 def _first_key(key_valid: Tensor) -> Tensor:
