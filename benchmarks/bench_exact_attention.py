@@ -1,0 +1,93 @@
+"""Decode attention over a long KV cache: the exact kernel against the kernel path's split-KV kernel.
+
+One decode step's attention for one layer of Qwen3-8B's shape (32 query heads, 8 KV heads of 128):
+``--rows`` rows, each over ``--lengths`` live positions of its cache slot, with the BF16 cache and the
+FP8 one (E4M3 values, one FP32 scale per position and head). Two kernels read the cache in place:
+
+* ``split_kv``: the engine's kernel path (``kernels/triton_decode_attention.py``), its KV split
+  planned for this GPU (the rollout outside the exact contract);
+* ``exact``: the exact attention (``kernels/triton_exact_attention.py``) as the exact decode launches it
+  (one program per row and KV head walking every key in order; the training forward's arithmetic).
+
+Per case: microseconds per call (median), the bytes of live K, V and scales read, and GB/s. The exact
+kernel has no split, so with few rows it leaves SMs idle; this measures where that costs.
+
+Usage: ``python benchmarks/bench_exact_attention.py [--rows 8,64] [--lengths 1024,4096,8192,16384]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from _common import bench_ms, dump, environment
+
+HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+
+
+def cache(rows: int, length: int, fp8: bool, seed: int = 0) -> dict:
+    """A slot cache with ``rows`` slots of ``length`` positions, all live, and one query per row."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    k, v = (torch.randn(rows, KV_HEADS, length, HEAD_DIM, generator=g, device="cuda", dtype=torch.bfloat16)
+            for _ in range(2))  # fmt: skip
+    out = dict(q=torch.randn(rows, HEADS, HEAD_DIM, generator=g, device="cuda", dtype=torch.bfloat16))
+    if fp8:
+        from jetrl_trainer.quant.fp8 import quantize_fp8_groups
+
+        for name, x in (("k", k), ("v", v)):
+            q, s = quantize_fp8_groups(x.reshape(-1, HEAD_DIM), HEAD_DIM)
+            out[name], out[f"{name}_scale"] = q.view(x.shape), s.view(rows, KV_HEADS, length)
+    else:
+        out.update(k=k, v=v)
+    return out
+
+
+def live_bytes(c: dict) -> int:
+    return sum(t.numel() * t.element_size() for name, t in c.items() if name != "q")
+
+
+def run_case(rows: int, length: int, fp8: bool) -> dict:
+    from jetrl_trainer.exact.ops import ATTENTION
+    from jetrl_trainer.kernels.triton_decode_attention import decode_attention
+    from jetrl_trainer.kernels.triton_exact_attention import exact_attention
+
+    c = cache(rows, length, fp8)
+    slots = torch.arange(rows, device="cuda")
+    lengths = torch.full((rows,), length, device="cuda")
+    scale = HEAD_DIM**-0.5
+    scales = dict(k_scale=c["k_scale"], v_scale=c["v_scale"]) if fp8 else {}
+    first, last = torch.zeros(rows, dtype=torch.long, device="cuda"), (lengths - 1)[:, None]
+    q4 = c["q"][:, :, None]
+    calls = {
+        "split_kv": lambda: decode_attention(c["q"], c["k"], c["v"], slots, lengths, scale, **scales),
+        "exact": lambda: exact_attention(q4, c["k"], c["v"], first, last, scale, ATTENTION, kv_rows=slots, **scales),
+    }
+    n_bytes = live_bytes(c)
+    result = dict(rows=rows, length=length, kv="fp8" if fp8 else "bf16", live_mib=round(n_bytes / 2**20, 1))
+    for name, fn in calls.items():
+        us = 1e3 * bench_ms(fn)
+        result[name] = dict(us=round(us, 1), gb_per_s=round(n_bytes / (us * 1e-6) / 1e9, 1))
+    result["exact_over_split_kv"] = round(result["exact"]["us"] / result["split_kv"]["us"], 2)
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default="8,64", help="comma list: rows (sequences) per decode step")
+    ap.add_argument("--lengths", default="1024,4096,8192,16384", help="comma list: live positions per row")
+    ap.add_argument("--kv", default="bf16,fp8", help="comma list of cache formats: bf16, fp8")
+    args = ap.parse_args(argv)
+    result = dict(benchmark="exact_attention", env=environment(), args=vars(args), cases=[])
+    for kv in args.kv.split(","):
+        for rows in map(int, args.rows.split(",")):
+            for length in map(int, args.lengths.split(",")):
+                case = run_case(rows, length, kv == "fp8")
+                print(case, flush=True)
+                result["cases"].append(case)
+                torch.cuda.empty_cache()
+    dump(result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
