@@ -53,8 +53,8 @@ class CompareArguments:
     output_dir: str = field(default="runs/study", metadata={"help": "Folder of the runs, study.md and study.png."})
     task: str = field(
         default="countdown",
-        metadata={"help": "Built-in task: countdown, sudoku, arithmetic or reverse (long completions, e.g. "
-                          "--difficulty max_digits=200)."},
+        metadata={"help": "Built-in task: countdown, sudoku, arithmetic, reverse or chain (long completions, e.g. "
+                          "--difficulty max_digits=200 for reverse, min_terms=14,max_terms=18,digits=3 for chain)."},
     )  # fmt: skip
     model: str = field(
         default="tiny-qwen3",

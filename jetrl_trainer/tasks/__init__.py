@@ -15,13 +15,15 @@ Pass ``prompt_style="instruct"`` for real chat models. See docs/tasks.md for eve
 
 from __future__ import annotations
 
-from jetrl_trainer.tasks import arithmetic, countdown, gsm8k, reverse, sudoku
+from jetrl_trainer.tasks import arithmetic, chain, countdown, gsm8k, reverse, sudoku
 from jetrl_trainer.tasks._common import Task, completion_text
 from jetrl_trainer.tasks.gsm8k import load_gsm8k
 
 __all__ = ["TASKS", "Task", "completion_text", "get_task", "load_gsm8k"]
 
-TASKS: dict[str, Task] = {t.name: t for t in (arithmetic.TASK, countdown.TASK, sudoku.TASK, reverse.TASK, gsm8k.TASK)}
+TASKS: dict[str, Task] = {
+    t.name: t for t in (arithmetic.TASK, countdown.TASK, sudoku.TASK, reverse.TASK, chain.TASK, gsm8k.TASK)
+}
 
 
 def get_task(name: str) -> Task:

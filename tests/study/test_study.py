@@ -121,6 +121,8 @@ def test_presets_and_flags():
     assert long.completion_length() == 208  # the task's budget follows its length knob
     budget = cli.build(cli.parse(["--task", "reverse", "--max_completion_length", "64"]))[0]
     assert budget.completion_length() == 64
+    chain = cli.build(cli.parse(["--task", "chain", "--difficulty", "min_terms=3,max_terms=4,digits=2"]))[0]
+    assert chain.difficulty == {"min_terms": 3, "max_terms": 4, "digits": 2} and chain.completion_length() == 44
 
 
 def test_the_gpu_preset_describes_a_local_03b_model_on_the_engine():

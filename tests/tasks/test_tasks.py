@@ -19,8 +19,8 @@ def _as_chat(text: str) -> list[dict]:
 # ---------------------------------------------------------------- registry and shared parsers
 
 
-def test_registry_has_the_four_tasks_and_rejects_unknown_names():
-    assert sorted(TASKS) == ["arithmetic", "countdown", "gsm8k", "reverse", "sudoku"]
+def test_registry_has_the_six_tasks_and_rejects_unknown_names():
+    assert sorted(TASKS) == ["arithmetic", "chain", "countdown", "gsm8k", "reverse", "sudoku"]
     assert get_task("countdown") is countdown.TASK
     with pytest.raises(ValueError, match="choose one of"):
         get_task("chess")
@@ -343,7 +343,7 @@ def test_gsm8k_reward_reads_the_final_answer():
 
 
 def test_every_task_rewards_its_reference_answer_fully():
-    for name in ("arithmetic", "countdown", "sudoku", "reverse"):
+    for name in ("arithmetic", "countdown", "sudoku", "reverse", "chain"):
         task = get_task(name)
         ds = task.make_dataset(20, seed=2)
         columns = {k: ds[k] for k in ds.column_names if k != "prompt"}
@@ -358,6 +358,6 @@ def test_generators_do_not_touch_global_random_state():
     random.seed(0)
     expected = random.random()
     random.seed(0)
-    for name in ("arithmetic", "countdown", "sudoku", "reverse"):
+    for name in ("arithmetic", "countdown", "sudoku", "reverse", "chain"):
         get_task(name).make_dataset(5, seed=1)
     assert random.random() == expected
