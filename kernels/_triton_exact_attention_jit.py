@@ -7,6 +7,9 @@ of its program hold and however many there are: tiles past a row's last key are 
 minimum, which leaves its running max, sum and accumulator exactly unchanged (``exp(0) = 1`` and
 ``exp(minimum - max) = 0``), so a decode step's query and the same query in a training forward get
 the same bits. ``M`` (rows) and the key bounds are not specialized on.
+
+``BF16_DOT``: the two products on tensor cores (BF16 operands, FP32 sums) instead of FP32 FMA; a row's
+bits then depend on the tile shape, which both phases share, as before.
 """
 
 import triton
@@ -22,6 +25,7 @@ def exact_attention_kernel(
     stride_lb, stride_ls, stride_sb, stride_sh, stride_st,
     GROUP: tl.constexpr, HEADS_KV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, KV_ROWS: tl.constexpr, SCALED: tl.constexpr, WRITE_LSE: tl.constexpr,
+    BF16_DOT: tl.constexpr,
 ):
     # KV_ROWS: batch row b reads keys/values at kv_rows[b] (the engine's cache slots); SCALED: FP8 keys
     # and values with one FP32 scale per (row, KV head, position), read as q * scale in FP32: the
@@ -57,7 +61,10 @@ def exact_attention_kernel(
                     other=0.0).to(tl.float32)  # (BLOCK_D, BLOCK_N)
         if SCALED:
             k = k * tl.load(k_scale_ptr + scale_base + t * stride_st, mask=t_ok, other=0.0)[None, :]
-        scores = tl.dot(q, k, input_precision="ieee") * scale
+        if BF16_DOT:  # tensor cores: operands rounded to BF16, products summed in FP32
+            scores = tl.dot(q.to(tl.bfloat16), k.to(tl.bfloat16)) * scale
+        else:
+            scores = tl.dot(q, k, input_precision="ieee") * scale
         valid = t[None, :] <= last[:, None]
         scores = tl.where(valid, scores, MASKED)
         m_new = tl.maximum(m, tl.max(scores, axis=1))
@@ -68,7 +75,10 @@ def exact_attention_kernel(
                     other=0.0).to(tl.float32)  # (BLOCK_N, BLOCK_D)
         if SCALED:
             v = v * tl.load(v_scale_ptr + scale_base + t * stride_st, mask=t_ok, other=0.0)[:, None]
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        if BF16_DOT:  # the probabilities rounded to BF16 for P.V, as flash attention does
+            acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), v.to(tl.bfloat16))
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         total = total * alpha + tl.sum(p, axis=1)
         m = m_new
     out = tl.where(total[:, None] > 0, acc / total[:, None], 0.0)  # a query with no key (padding): 0, not NaN

@@ -167,15 +167,22 @@ class ExactAttentionSettings:
         block_m: query rows per program (a decode step's GQA group is padded up to it).
         block_n: keys per tile, counted from each batch row's first real key.
         num_warps, num_stages: Triton launch parameters.
+        dot: ``"fp32"``: the score and value products in FP32 FMA (no TF32); ``"bf16"``: on tensor
+            cores, the operands (and the probabilities) rounded to BF16 and the products summed in
+            FP32, as flash attention computes them. Both keep the contract (both phases run the same
+            instructions); "bf16" trades the FP32 products' accuracy for tensor-core speed.
     """
 
     block_m: int = 16
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 2
+    dot: str = "fp32"
 
     def __post_init__(self) -> None:
         _positive(self, "block_m", "block_n", "num_warps", "num_stages")
+        if self.dot not in ("fp32", "bf16"):
+            raise ValueError(f"ExactAttentionSettings.dot must be 'fp32' or 'bf16'; got {self.dot!r}.")
 
 
 @dataclass(frozen=True)

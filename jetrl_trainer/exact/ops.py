@@ -260,7 +260,7 @@ def _key_runs(key_valid: Tensor) -> tuple[Tensor, Tensor]:
 class _KernelAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, scale: float) -> Tensor:
-        ctx.scale = scale
+        ctx.scale, ctx.bf16_dot = scale, ATTENTION.dot == "bf16"
         with torch._C.DisableTorchFunction():
             first, last = _key_runs(key_valid)
             out, lse = _triton_attention().exact_attention(q, k, v, first, last, scale, ATTENTION, return_lse=True)
@@ -270,21 +270,23 @@ class _KernelAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         q, k, v, out, lse, first, last = ctx.saved_tensors
-        dq, dk, dv = _flash_backward(q, k, v, out, lse, first, last, grad, ctx.scale)
+        dq, dk, dv = _flash_backward(q, k, v, out, lse, first, last, grad, ctx.scale, bf16_dot=ctx.bf16_dot)
         return dq, dk, dv, None, None
 
 
 @_plain_torch
 def _flash_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, first: Tensor, last: Tensor,
-                    grad: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+                    grad: Tensor, scale: float, *, bf16_dot: bool = False) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """The attention's gradients, flash-attention style: tile by tile, each tile's probabilities
     recomputed from the forward's log-sum-exp, so memory holds one tile's scores, not the sequence's
     (autograd through the tiled torch version saved every tile: ~100 GB at 8 x 4k positions at 8B).
-    Plain matmuls: a gradient need not be exact, only correct."""
+    Plain matmuls: a gradient need not be exact, only correct. ``bf16_dot``: the forward scored
+    BF16-rounded queries and keys (``ExactAttentionSettings.dot``), so the recomputed scores do too."""
     b, h, s, d = q.shape
     h_kv, t = k.shape[1], k.shape[2]
     rows = (h // h_kv) * s
-    qf = q.float().reshape(b, h_kv, rows, d)
+    rounded = (lambda x: x.bfloat16().float()) if bf16_dot else (lambda x: x.float())
+    qf = rounded(q).reshape(b, h_kv, rows, d)
     do = grad.float().reshape(b, h_kv, rows, d)
     delta = (do * out.float().reshape(b, h_kv, rows, d)).sum(-1, keepdim=True)
     row_lse = lse.reshape(b, h_kv, rows, 1)
@@ -295,7 +297,7 @@ def _flash_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, f
     for start in range(0, t, KV_TILE):
         tile = slice(start, min(start + KV_TILE, t))
         keys = torch.arange(tile.start, tile.stop, device=k.device)
-        kt, vt = k[:, :, tile].float(), v[:, :, tile].float()
+        kt, vt = rounded(k[:, :, tile]), v[:, :, tile].float()
         valid = (keys >= first[:, None, None, None]) & (keys <= row_last)  # (B, 1, rows, tile)
         # where, not a product: a masked score's exp may overflow (padding rows' lse is 0), and inf * 0 is NaN
         p = torch.where(valid, torch.exp((qf @ kt.transpose(-1, -2)) * scale - row_lse), 0.0)

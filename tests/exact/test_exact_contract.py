@@ -68,6 +68,22 @@ def test_refill_with_fewer_slots_than_sequences(device, slots):
     assert_exact(model, tokens, recorded, autocast=none, device=device)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+@pytest.mark.parametrize(("master", "autocast"), [(torch.bfloat16, False), (torch.float32, True)])
+def test_the_tensor_core_attention_keeps_the_contract(kv_cache_dtype, master, autocast, monkeypatch):
+    """``ExactAttentionSettings(dot="bf16")`` (the exact attention's products on tensor cores), set where
+    both phases read it: the decode over the cache, the prefill and the training forward stay equal."""
+    from jetrl_trainer.exact import ops
+    from jetrl_trainer.kernels.settings import ExactAttentionSettings
+
+    monkeypatch.setattr(ops, "ATTENTION", ExactAttentionSettings(dot="bf16"))
+    model = tiny_model("qwen3", "fp8", master, "cuda")
+    ac = autocast_for("cuda", autocast)
+    tokens, recorded = rollout(model, autocast=ac, kv_cache_dtype=kv_cache_dtype)
+    assert_exact(model, tokens, recorded, autocast=ac, device="cuda", kv_cache_dtype=kv_cache_dtype)
+
+
 def test_without_the_exact_ops_the_bits_differ():
     """The check can fail: the same rollout scored by the plain forward (SDPA, BLAS) is not equal."""
     model = tiny_model("qwen3", "fp8", torch.float32, "cpu")

@@ -12,7 +12,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-INTERPRETER_OR_GPU = [pytest.param("cpu", marks=pytest.mark.interpreter), pytest.param("cuda", marks=pytest.mark.gpu)]
+DOTS = ["fp32", "bf16"]  # ExactAttentionSettings.dot: FP32 FMA products, or tensor cores on BF16 operands
+# Triton 3.6's interpreter computes a dot of BF16 operands on their raw bits (outputs ~1e8): the BF16
+# dot runs on the GPU only.
+DEVICE_DOTS = [pytest.param("cpu", "fp32", marks=pytest.mark.interpreter, id="cpu-fp32"),
+               *(pytest.param("cuda", dot, marks=pytest.mark.gpu, id=f"cuda-{dot}") for dot in DOTS)]  # fmt: skip
+
+
+def _settings(dot):
+    from jetrl_trainer.kernels.settings import ExactAttentionSettings
+
+    return ExactAttentionSettings(dot=dot)
 
 
 def _rand(*shape, dtype=torch.float32, device="cpu", seed=0):
@@ -39,10 +49,14 @@ def _causal(b, s, pads, device):
     return first, last
 
 
-@pytest.mark.parametrize("device", INTERPRETER_OR_GPU)
+@pytest.mark.parametrize(("device", "dot"), DEVICE_DOTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_decode_query_has_the_bits_of_the_same_query_in_the_sequence(device, dtype):
+def test_a_decode_query_has_the_bits_of_the_same_query_in_the_sequence(device, dtype, dot):
+    from functools import partial
+
     from jetrl_trainer.kernels.triton_exact_attention import exact_attention
+
+    exact_attention = partial(exact_attention, settings=_settings(dot))
 
     b, h, h_kv, s, d = 3, 8, 2, 150, 64
     q, k, v = (_rand(b, n, s, d, dtype=dtype, device=device, seed=i) for i, n in enumerate((h, h_kv, h_kv)))
@@ -51,7 +65,8 @@ def test_a_decode_query_has_the_bits_of_the_same_query_in_the_sequence(device, d
     full = exact_attention(q, k, v, first, last, 0.125)
     real = last >= 0
     ref = _reference(q, k, v, first, last, 0.125)
-    assert torch.allclose(full.double().transpose(1, 2)[real], ref.transpose(1, 2)[real], atol=2e-2 if dtype != torch.float32 else 1e-5)
+    tolerance = 1e-5 if dtype == torch.float32 and dot == "fp32" else 2e-2
+    assert torch.allclose(full.double().transpose(1, 2)[real], ref.transpose(1, 2)[real], atol=tolerance)
     for pos in (pads[2], 120, s - 1):  # one query per row over its live keys, as a decode step reads the cache
         live = pos + 1
         step = exact_attention(q[:, :, pos : pos + 1], k[:, :, :live], v[:, :, :live], first,
@@ -65,9 +80,9 @@ def test_a_decode_query_has_the_bits_of_the_same_query_in_the_sequence(device, d
     assert torch.equal(alone[0][:, pads[1]:], full[1][:, pads[1]:])
 
 
-@pytest.mark.parametrize("device", INTERPRETER_OR_GPU)
+@pytest.mark.parametrize(("device", "dot"), DEVICE_DOTS)
 @pytest.mark.parametrize("fp8", [False, True])
-def test_the_cache_in_place_gives_the_bits_of_its_values_read_out(device, fp8):
+def test_the_cache_in_place_gives_the_bits_of_its_values_read_out(device, fp8, dot):
     """A decode step over the engine's cache (``kv_rows`` picking slots, FP8 values with their scales)
     equals the same step over the rows' keys and values read out (FP8: `fp8_kv_roundtrip`'s FP32 values),
     which is what the training forward's attention reads."""
@@ -86,15 +101,16 @@ def test_the_cache_in_place_gives_the_bits_of_its_values_read_out(device, fp8):
     q = _rand(3, h, 1, d, dtype=torch.bfloat16, device=device, seed=99)
     first, last = torch.zeros(3, dtype=torch.long, device=device), (lengths - 1)[:, None]
     scales = dict(k_scale=cache.k_scale[0], v_scale=cache.v_scale[0]) if fp8 else {}
-    in_place = exact_attention(q, cache.k[0], cache.v[0], first, last, 0.125, kv_rows=rows, **scales)
+    in_place = exact_attention(q, cache.k[0], cache.v[0], first, last, 0.125, _settings(dot), kv_rows=rows, **scales)
     keys, values = cache.read(0, rows, dtype=torch.float32)
-    read_out = exact_attention(q, keys, values, first, last, 0.125)
+    read_out = exact_attention(q, keys, values, first, last, 0.125, _settings(dot))
     assert torch.equal(in_place, read_out)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("positions", [1024, 4096, 8192, 16384])
-def test_long_contexts_against_the_reference(positions):
+@pytest.mark.parametrize("dot", DOTS)
+def test_long_contexts_against_the_reference(positions, dot):
     from jetrl_trainer.kernels.triton_exact_attention import exact_attention
 
     b, h, h_kv, d = 2, 32, 8, 128
@@ -102,19 +118,20 @@ def test_long_contexts_against_the_reference(positions):
     q = _rand(b, h, 4, d, dtype=torch.bfloat16, device="cuda")  # the last 4 positions' queries
     first = torch.tensor([0, 300], device="cuda")
     last = torch.arange(positions - 4, positions, device="cuda")[None].expand(b, 4).contiguous()
-    out = exact_attention(q, k, v, first, last, d**-0.5)
+    out = exact_attention(q, k, v, first, last, d**-0.5, _settings(dot))
     assert torch.allclose(out.double(), _reference(q, k, v, first, last, d**-0.5), atol=2e-2)
-    one = exact_attention(q[:, :, -1:], k, v, first, last[:, -1:], d**-0.5)
+    one = exact_attention(q[:, :, -1:], k, v, first, last[:, -1:], d**-0.5, _settings(dot))
     assert torch.equal(one, out[:, :, -1:])
 
 
-@pytest.mark.parametrize("device", INTERPRETER_OR_GPU)
-def test_the_exact_ops_run_it_and_differentiate_it(device):
+@pytest.mark.parametrize(("device", "dot"), DEVICE_DOTS)
+def test_the_exact_ops_run_it_and_differentiate_it(device, dot, monkeypatch):
     """`jetrl_trainer.exact.exact_attention` through the kernel (CUDA; CPU in the interpreter): its
     forward (padding queries give 0, not NaN), and its flash-style backward's gradients against
     autograd through the torch version, with GQA, left padding and tiles of 64 keys."""
     from jetrl_trainer.exact import ops
 
+    monkeypatch.setattr(ops, "ATTENTION", _settings(dot))
     b, h, h_kv, s, d = 2, 4, 2, 80, 32
     q, k, v = (_rand(b, n, s, d, device=device, seed=i).requires_grad_() for i, n in enumerate((h, h_kv, h_kv)))
     first, last = _causal(b, s, [0, 10], device)
@@ -124,11 +141,12 @@ def test_the_exact_ops_run_it_and_differentiate_it(device):
     assert torch.isfinite(out).all() and torch.equal(out[1, :, :10], torch.zeros_like(out[1, :, :10]))
     reference = ops._torch_attention(q, k, v, valid, 0.2)
     real = (last >= 0)[:, None, :, None].expand_as(out)
-    assert torch.allclose(out[real], reference[real], atol=1e-5)
+    tolerance = dict(fp32=(1e-5, 1e-4), bf16=(2e-2, 5e-2))[dot]  # BF16 products: flash attention's accuracy
+    assert torch.allclose(out[real], reference[real], atol=tolerance[0])
     weights = _rand(*out.shape, device=device, seed=9) * real
     grads = torch.autograd.grad((out * weights).sum(), (q, k, v))
     expected = torch.autograd.grad((reference * weights).sum(), (q, k, v))
-    assert all(torch.allclose(g, e, atol=1e-4) for g, e in zip(grads, expected))
+    assert all(torch.allclose(g, e, atol=tolerance[1]) for g, e in zip(grads, expected))
 
 
 @pytest.mark.sm90
@@ -140,8 +158,9 @@ def test_it_compiles_for_sm90():
     for kv, scaled in (("*bf16", False), ("*fp8e4nv", True)):  # the training forward; the engine's FP8 cache
         pointers = dict(q_ptr="*bf16", k_ptr=kv, v_ptr=kv, out_ptr="*bf16", lse_ptr="*fp32", first_ptr="*i64",
                         last_ptr="*i64", kv_rows_ptr="*i64", k_scale_ptr="*fp32", v_scale_ptr="*fp32")  # fmt: skip
-        constexprs = dict(GROUP=4, HEADS_KV=8, D=128, BLOCK_D=128, BLOCK_M=16, BLOCK_N=64, KV_ROWS=scaled, SCALED=scaled,
-                          WRITE_LSE=not scaled)  # fmt: skip
-        ptx = compile_sm90(exact_attention_kernel, pointers, constexprs,
-                           floats=("scale",), launch=dict(num_warps=4), odd=("S", "T", "ROWS"))  # fmt: skip
-        assert "ex2" in ptx
+        for bf16_dot in (False, True):
+            constexprs = dict(GROUP=4, HEADS_KV=8, D=128, BLOCK_D=128, BLOCK_M=16, BLOCK_N=64, KV_ROWS=scaled,
+                              SCALED=scaled, WRITE_LSE=not scaled, BF16_DOT=bf16_dot)  # fmt: skip
+            ptx = compile_sm90(exact_attention_kernel, pointers, constexprs,
+                               floats=("scale",), launch=dict(num_warps=4), odd=("S", "T", "ROWS"))  # fmt: skip
+            assert "ex2" in ptx and ("mma" in ptx) == bf16_dot  # tensor-core instructions only for the BF16 dot
