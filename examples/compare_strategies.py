@@ -90,7 +90,8 @@ class CompareArguments:
     prompts_per_step: int | None = field(default=None, metadata={"help": "Prompts per GRPO step (preset: 4)."})
     num_generations: int | None = field(default=None, metadata={"help": "Completions per prompt (preset: 8)."})
     max_completion_length: int | None = field(
-        default=None, metadata={"help": "Completion budget in tokens; unset = the task's (--stress: 64)."}
+        default=None,
+        metadata={"help": "Completion budget in tokens; unset = the task's (--gpu: at least 256; --stress: 64)."},
     )
     temperature: float | None = field(default=None, metadata={"help": "Rollout temperature (preset 1.0; --stress 1.3)."})
     learning_rate: float | None = field(default=None, metadata={"help": "GRPO learning rate, AdamW, constant (preset 2e-4)."})
@@ -138,10 +139,21 @@ def parse(argv: list[str] | None = None) -> CompareArguments:
     preset.setdefault("dtype", "float32")
     preset.setdefault("device", "cpu")
     preset.setdefault("warm_start_lr", 3e-3)
+    # The GPU preset's budget is room for long answers, not a cap: a task whose answers run longer (chain at
+    # its default difficulty: 266 tokens) keeps its own. --stress's 64 stays a cap (that is its point).
+    budget_floor = args.max_completion_length is None and args.gpu and not args.stress
     for name, value in preset.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    if budget_floor:
+        args.max_completion_length = max(args.max_completion_length, _task_budget(args.task, args.difficulty))
     return args
+
+
+def _task_budget(task: str, difficulty: str | None) -> int:
+    from jetrl_trainer.tasks import get_task
+
+    return get_task(task).completion_budget(**_pairs(difficulty))
 
 
 def _ints(text: str) -> tuple[int, ...]:

@@ -136,6 +136,10 @@ def test_the_gpu_preset_describes_a_local_03b_model_on_the_engine():
     spec, model = cli.build(args)
     assert spec.trainer_kwargs == {"rollout_backend": "engine"} and spec.completion_length() == 256
     assert spec.seeds == (3,) and len(spec.strategies) == len(STUDY_STRATEGIES)  # flags still beat the preset
+    # 256 is a floor: chain's default answers need 266; a flag still sets any budget
+    assert cli.parse(["--gpu", "--task", "chain"]).max_completion_length == 266
+    assert cli.parse(["--gpu", "--task", "chain", "--max_completion_length", "100"]).max_completion_length == 100
+    assert cli.parse(["--gpu", "--stress", "--task", "chain"]).max_completion_length == 64
     assert isinstance(model, TinyModel) and model.dtype == "bfloat16" and model.device == "cpu"
     overrides = dict(model.config_overrides)
     assert overrides["hidden_size"] == 1024 and overrides["num_hidden_layers"] == 24
