@@ -28,19 +28,20 @@ HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 
 
 def cache(rows: int, length: int, fp8: bool, seed: int = 0) -> dict:
-    """A slot cache with ``rows`` slots of ``length`` positions, all live, and one query per row."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    k, v = (torch.randn(rows, KV_HEADS, length, HEAD_DIM, generator=g, device="cuda", dtype=torch.bfloat16)
-            for _ in range(2))  # fmt: skip
-    out = dict(q=torch.randn(rows, HEADS, HEAD_DIM, generator=g, device="cuda", dtype=torch.bfloat16))
-    if fp8:
-        from jetrl_trainer.quant.fp8 import quantize_fp8_groups
+    """One layer of the engine's slot cache (`KVCache`, its own format) with ``rows`` slots of ``length``
+    positions, all live, and one query per row: ``q``, ``k``, ``v`` and, FP8, ``k_scale`` / ``v_scale``."""
+    from jetrl_trainer.rollout.engine.kv_cache import KVCache
 
-        for name, x in (("k", k), ("v", v)):
-            q, s = quantize_fp8_groups(x.reshape(-1, HEAD_DIM), HEAD_DIM)
-            out[name], out[f"{name}_scale"] = q.view(x.shape), s.view(rows, KV_HEADS, length)
-    else:
-        out.update(k=k, v=v)
+    kv = KVCache(num_layers=1, num_slots=rows, max_len=length, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                 dtype=torch.bfloat16, device=torch.device("cuda"), fp8=fp8)  # fmt: skip
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    out = dict(q=torch.randn(rows, HEADS, HEAD_DIM, generator=g, device="cuda", dtype=torch.bfloat16))
+    for name in ("k", "v"):
+        values, scales = kv.encode(torch.randn(rows, KV_HEADS, length, HEAD_DIM, generator=g, device="cuda",
+                                               dtype=torch.bfloat16))  # fmt: skip
+        out[name] = getattr(kv, name)[0].copy_(values)
+        if scales is not None:
+            out[f"{name}_scale"] = getattr(kv, f"{name}_scale")[0].copy_(scales)
     return out
 
 

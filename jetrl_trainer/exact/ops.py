@@ -157,10 +157,14 @@ def row_mean(x: Tensor) -> Tensor:
         return (sums / x.shape[-1]).view(*x.shape[:-1], 1)
 
 
+def _on_kernel_device(x: Tensor) -> bool:
+    """Where the exact ops' Triton kernels run: CUDA; CPU tensors too under Triton's interpreter, where
+    the interpreter tests run the whole exact contract through them (tests/exact/test_exact_kernel_path.py)."""
+    return x.is_cuda or (x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+
+
 def _row_sum_kernel_runs(x: Tensor) -> bool:
-    """CUDA with Triton; CPU tensors too under Triton's interpreter (tests/exact/test_exact_kernel_path.py)."""
-    on = x.is_cuda or (x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
-    return on and x.dtype in FLOAT_DTYPES and _triton_row_sum() is not None
+    return _on_kernel_device(x) and x.dtype in FLOAT_DTYPES and _triton_row_sum() is not None
 
 
 def _triton_row_sum():
@@ -225,10 +229,7 @@ def exact_attention(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, scale: f
 
 
 def _runs_kernel(q: Tensor) -> bool:
-    """The attention kernel on CUDA; on CPU tensors too under Triton's interpreter, where the
-    interpreter tests run the whole exact contract through it (tests/exact/test_exact_kernel_path.py)."""
-    on = q.is_cuda or (q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
-    return on and _triton_attention() is not None
+    return _on_kernel_device(q) and _triton_attention() is not None
 
 
 def exact_attention_over_runs(q: Tensor, k: Tensor, v: Tensor, first_key: Tensor, last_key: Tensor, scale: float,
