@@ -6,10 +6,11 @@ FP8 one (E4M3 values, one FP32 scale per position and head). Two kernels read th
 
 * ``split_kv``: the engine's kernel path (``kernels/triton_decode_attention.py``), its KV split
   planned for this GPU (the rollout outside the exact contract);
-* ``exact``: the exact attention (``kernels/triton_exact_attention.py``) as the exact decode launches it
-  (one program per row and KV head walking every key in order; the training forward's arithmetic),
-  its products in FP32 FMA (the shipped ``ExactAttentionSettings``);
-* ``exact_bf16``: the same with ``dot="bf16"``, the products on tensor cores.
+* ``exact_fp32``: the exact attention (``kernels/triton_exact_attention.py``) as the exact decode
+  launches it (one program per row and KV head walking every key in order; the training forward's
+  arithmetic), its products in FP32 FMA (``ExactAttentionSettings(dot="fp32")``);
+* ``exact_bf16``: the same with the products on tensor cores (``dot="bf16"``; what the shipped
+  ``dot="auto"`` runs for a BF16 model's queries, as here).
 
 Per case: microseconds per call (median), the bytes of live K, V and scales read, and GB/s. The exact
 kernel has no split, so with few rows it leaves SMs idle; this measures where that costs.
@@ -51,6 +52,7 @@ def live_bytes(c: dict) -> int:
 
 def run_case(rows: int, length: int, fp8: bool) -> dict:
     import dataclasses
+    from functools import partial
 
     from jetrl_trainer.exact.ops import ATTENTION
     from jetrl_trainer.kernels.triton_decode_attention import decode_attention
@@ -65,16 +67,16 @@ def run_case(rows: int, length: int, fp8: bool) -> dict:
     q4 = c["q"][:, :, None]
     calls = {
         "split_kv": lambda: decode_attention(c["q"], c["k"], c["v"], slots, lengths, scale, **scales),
-        "exact": lambda: exact_attention(q4, c["k"], c["v"], first, last, scale, ATTENTION, kv_rows=slots, **scales),
-        "exact_bf16": lambda: exact_attention(q4, c["k"], c["v"], first, last, scale,
-                                              dataclasses.replace(ATTENTION, dot="bf16"), kv_rows=slots, **scales),
+        **{f"exact_{dot}": partial(exact_attention, q4, c["k"], c["v"], first, last, scale,
+                                   dataclasses.replace(ATTENTION, dot=dot), kv_rows=slots, **scales)
+           for dot in ("fp32", "bf16")},
     }
     n_bytes = live_bytes(c)
     result = dict(rows=rows, length=length, kv="fp8" if fp8 else "bf16", live_mib=round(n_bytes / 2**20, 1))
     for name, fn in calls.items():
         us = 1e3 * bench_ms(fn)
         result[name] = dict(us=round(us, 1), gb_per_s=round(n_bytes / (us * 1e-6) / 1e9, 1))
-    for name in ("exact", "exact_bf16"):
+    for name in ("exact_fp32", "exact_bf16"):
         result[f"{name}_over_split_kv"] = round(result[name]["us"] / result["split_kv"]["us"], 2)
     return result
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from functools import partial
 
 import torch
 from _common import QWEN3_8B_SHAPE, dump, environment
@@ -47,17 +48,19 @@ def forward_backward(model, ids, mask, completion: int, roundtrip) -> torch.Tens
     return logps.detach()
 
 
-def timed(fn, iters: int, cuda: bool) -> float:
-    """Median milliseconds of ``fn`` over ``iters`` calls after one untimed call (compiles kernels)."""
-    fn()
-    samples = []
-    for _ in range(iters):
-        torch.cuda.synchronize() if cuda else None
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize() if cuda else None
-        samples.append(1e3 * (time.perf_counter() - start))
-    return statistics.median(samples)
+def timed(fns: dict, iters: int, cuda: bool) -> dict:
+    """Median milliseconds of each of ``fns`` over ``iters`` rounds, the configurations alternating
+    within a round (clock and allocator state drift alike for both), after one untimed round."""
+    samples = {name: [] for name in fns}
+    for round_ in range(iters + 1):
+        for name, fn in fns.items():
+            torch.cuda.synchronize() if cuda else None
+            start = time.perf_counter()
+            fn()
+            torch.cuda.synchronize() if cuda else None
+            if round_:
+                samples[name].append(1e3 * (time.perf_counter() - start))
+    return {name: statistics.median(ms) for name, ms in samples.items()}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -78,15 +81,15 @@ def main(argv: list[str] | None = None) -> dict:
     ids = torch.randint(0, vocab, (args.rows, args.prompt + args.completion), generator=g).to(args.device)
     mask = torch.ones_like(ids)
     result = dict(benchmark="kv_roundtrip", env=environment(), args=vars(args))
-    logps = {}
+    configs = {"bf16_kv": None, "fp8_kv": kv_roundtrip("fp8")}
     with PrecisionPhases(model).use("train"), torch.autocast(args.device, torch.bfloat16, enabled=cuda):
-        for name, roundtrip in (("bf16_kv", None), ("fp8_kv", kv_roundtrip("fp8"))):
-            logps[name] = forward_backward(model, ids, mask, args.completion, roundtrip)
-            torch.cuda.reset_peak_memory_stats() if cuda else None
-            ms = timed(lambda: forward_backward(model, ids, mask, args.completion, roundtrip), args.iters, cuda)
-            peak = round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None
-            result[name] = dict(ms=round(ms, 2), peak_gib=peak)
+        logps = {name: forward_backward(model, ids, mask, args.completion, rt) for name, rt in configs.items()}
+        torch.cuda.reset_peak_memory_stats() if cuda else None
+        fns = {name: partial(forward_backward, model, ids, mask, args.completion, rt) for name, rt in configs.items()}
+        for name, ms in timed(fns, args.iters, cuda).items():
+            result[name] = dict(ms=round(ms, 2))
             print(name, result[name], flush=True)
+    result["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None
     result["roundtrip_added_share"] = round(result["fp8_kv"]["ms"] / result["bf16_kv"]["ms"] - 1, 4)
     # The roundtrip really ran: it moves the log-probs (keys and values rounded to FP8).
     result["logps_moved"] = not torch.equal(logps["bf16_kv"], logps["fp8_kv"])

@@ -9,14 +9,26 @@ device runs one of the two in both phases.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from jetrl_trainer.kernels._triton_support import cdiv, load_jit
 from jetrl_trainer.kernels.settings import ExactAttentionSettings
 
-__all__ = ["exact_attention"]
+__all__ = ["exact_attention", "uses_tensor_cores"]
 
 _DEFAULT = ExactAttentionSettings()
+
+
+def uses_tensor_cores(settings: ExactAttentionSettings, q_dtype: torch.dtype) -> bool:
+    """Whether the kernel takes its products on tensor cores for queries of ``q_dtype`` (see
+    ``ExactAttentionSettings.dot``). ``"auto"`` stays on FP32 FMA under Triton's interpreter, whose
+    BF16 dots are wrong (Triton 3.6 multiplies their raw bits); the interpreter has no tensor cores
+    to win anyway."""
+    if settings.dot == "auto":
+        return q_dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") != "1"
+    return settings.dot == "bf16"
 
 
 def exact_attention(
@@ -27,8 +39,8 @@ def exact_attention(
     """Softmax attention ``(B, H, S, D)`` of q ``(B, H, S, D)`` over k / v ``(B, H_kv, T, D)`` (any float
     dtypes, any strides; GQA: head ``h`` reads KV head ``h // (H / H_kv)``), query ``(b, s)`` reading keys
     ``first_key[b]`` ``(B,)`` to ``last_key[b, s]`` ``(B, S)``, both included (none where ``last < first``).
-    Computed in FP32 (no TF32; ``settings.dot="bf16"``: the products on tensor cores from BF16-rounded
-    operands), returned in ``q``'s dtype; a query with no key gives 0.
+    Computed in FP32 (no TF32), or with the products on tensor cores from BF16-rounded operands where
+    ``uses_tensor_cores(settings, q.dtype)``, returned in ``q``'s dtype; a query with no key gives 0.
 
     The engine's cache in place: ``kv_rows`` ``(B,)`` picks batch row ``b``'s keys and values among k /
     v's first dim (its slots), and FP8 keys and values come with ``k_scale`` / ``v_scale`` ``(slots,
@@ -58,7 +70,7 @@ def exact_attention(
         float(scale), *q.stride(), *k.stride(), *v.stride(), *out.stride(), *last.stride(), *scale_strides,
         GROUP=h // h_kv, HEADS_KV=h_kv, D=d, BLOCK_D=max(16, 1 << (d - 1).bit_length()), BLOCK_M=settings.block_m,
         BLOCK_N=settings.block_n, KV_ROWS=kv_rows is not None, SCALED=scaled, WRITE_LSE=return_lse,
-        BF16_DOT=settings.dot == "bf16",
+        BF16_DOT=uses_tensor_cores(settings, q.dtype),
         num_warps=settings.num_warps, num_stages=settings.num_stages,
     )  # fmt: skip
     return (out, lse) if return_lse else out

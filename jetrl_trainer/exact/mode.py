@@ -14,8 +14,8 @@ Float64 products pass through untouched (the FP8 emulation's exact group sums), 
 ``kv_roundtrip``: how the rollout's KV cache stores keys and values, where it rounds them (the FP8
 cache, `rollout/engine/kv_cache.py`). The attention then reads every key (after RoPE) and value as
 the cache would return it, in the prefill, the training forward and its recomputation alike, so a
-decode step over the cache computes what the training forward computes; gradients pass straight
-through the rounding (`ops.straight_through`).
+decode step over the cache computes what the training forward computes (on CUDA the kernel reads the
+roundtrip's ``encode``: the cache's codes and scales); gradients pass straight through the rounding.
 """
 
 from __future__ import annotations
@@ -30,11 +30,12 @@ from torch.overrides import TorchFunctionMode
 
 from jetrl_trainer._choices import FLOAT_DTYPES
 
-from .ops import exact_attention, exact_linear, row_invariant_matmul, row_mean, straight_through
+from .ops import exact_attention, exact_linear, row_invariant_matmul, row_mean
 
 __all__ = ["ExactOps", "KVRoundtrip", "exact_sdpa"]
 
-KVRoundtrip = Callable[[torch.Tensor], torch.Tensor]  # keys or values (..., head_dim) -> as a cache returns them
+# keys or values (..., head_dim) -> as a cache returns them; optionally with ``encode`` (codes, scales)
+KVRoundtrip = Callable[[torch.Tensor], torch.Tensor]
 
 _MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm, torch.bmm,
             torch.Tensor.bmm}  # fmt: skip
@@ -73,9 +74,8 @@ def exact_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
     if valid.shape[1] != 1:
         raise ValueError("exact attention takes one mask for all heads; got a per-head mask.")
     scale = query.shape[-1] ** -0.5 if scale is None else scale
-    if kv_roundtrip is not None:
-        key, value = straight_through(key, kv_roundtrip), straight_through(value, kv_roundtrip)
-    return exact_attention(query, key, value, valid.expand(query.shape[0], 1, s, t)[:, 0], scale)
+    return exact_attention(query, key, value, valid.expand(query.shape[0], 1, s, t)[:, 0], scale,
+                           kv_roundtrip=kv_roundtrip)  # fmt: skip
 
 
 _open = threading.local()  # how many `ExactOps.entered` blocks this thread is inside
@@ -114,7 +114,7 @@ class ExactOps(TorchFunctionMode):
         inside itself would chunk its own chunked products again). A nested block asking for another
         ``kv_roundtrip`` than the open one is a bug that would break the contract: it raises."""
         depth = getattr(_open, "depth", 0)
-        if enabled and depth and kv_roundtrip is not None and kv_roundtrip is not _open.kv_roundtrip:
+        if enabled and depth and kv_roundtrip is not None and kv_roundtrip != _open.kv_roundtrip:
             raise RuntimeError(f"ExactOps is open with kv_roundtrip={_open.kv_roundtrip!r}; a block inside it asked "
                                f"for {kv_roundtrip!r}. Open the mode once, with the rollout cache's roundtrip.")  # fmt: skip
         if not enabled or depth:

@@ -210,7 +210,7 @@ def _shift_left(x: Tensor, offsets: Tensor, fill) -> Tensor:
     return torch.where(inside.view(shape), gathered, fill)
 
 
-def exact_attention(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, scale: float) -> Tensor:
+def exact_attention(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, scale: float, *, kv_roundtrip=None) -> Tensor:
     """Softmax attention ``(B, H, S, D)`` of q ``(B, H, S, D)`` over k / v ``(B, H_kv, T, D)`` (GQA:
     query head ``h`` reads KV head ``h // (H / H_kv)``), query ``s`` reading the keys where
     ``key_valid[b, s]`` ``(B, S, T)`` is True.
@@ -222,9 +222,18 @@ def exact_attention(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, scale: f
     ``first key .. its last valid key``; elsewhere the torch ops below. Differentiable: the kernel's
     backward is flash-attention style from its log-sum-exp (`_flash_backward`; any correct gradient
     will do).
+
+    ``kv_roundtrip`` (`ExactOps`'): keys and values are read as the KV cache returns them, the
+    gradient passing straight through the rounding. The kernel reads the roundtrip's ``encode`` (the
+    cache's codes and scales) where it has one, exactly as the decode reads the cache in place.
     """
+    encode = getattr(kv_roundtrip, "encode", None)
+    if _runs_kernel(q) and encode is not None:
+        return _KernelAttention.apply(q, k, v, key_valid, scale, encode)
+    if kv_roundtrip is not None:
+        k, v = straight_through(k, kv_roundtrip), straight_through(v, kv_roundtrip)
     if _runs_kernel(q):
-        return _KernelAttention.apply(q, k, v, key_valid, scale)
+        return _KernelAttention.apply(q, k, v, key_valid, scale, None)
     return _torch_attention(q, k, v, key_valid, scale)
 
 
@@ -259,20 +268,33 @@ def _key_runs(key_valid: Tensor) -> tuple[Tensor, Tensor]:
 
 
 class _KernelAttention(torch.autograd.Function):
+    """The kernel's forward and `_flash_backward`. ``encode``: keys and values go to the kernel as the
+    FP8 cache's codes and scales, which it reads as the decode does (its tensor-core products round a
+    coded operand otherwise than the same value in FP32); the backward reads the dequantized values
+    and passes their gradients straight through to the unrounded keys and values."""
+
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, scale: float) -> Tensor:
-        ctx.scale, ctx.bf16_dot = scale, ATTENTION.dot == "bf16"
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, scale: float, encode) -> Tensor:
+        ctx.scale, ctx.bf16_dot = scale, _triton_attention().uses_tensor_cores(ATTENTION, q.dtype)
+        ctx.k_dtype, ctx.v_dtype = k.dtype, v.dtype
         with torch._C.DisableTorchFunction():
             first, last = _key_runs(key_valid)
-            out, lse = _triton_attention().exact_attention(q, k, v, first, last, scale, ATTENTION, return_lse=True)
-            ctx.save_for_backward(q, k, v, out, lse, first, last)  # the key runs, not the (B, S, T) mask
+            scales = ()
+            if encode is not None:  # the codes and scales (1 byte + 4 per head vector) saved, not FP32 values
+                (k, k_scale), (v, v_scale) = encode(k), encode(v)
+                scales = (k_scale, v_scale)
+            out, lse = _triton_attention().exact_attention(q, k, v, first, last, scale, ATTENTION, return_lse=True,
+                                                           **dict(zip(("k_scale", "v_scale"), scales)))  # fmt: skip
+            ctx.save_for_backward(q, k, v, out, lse, first, last, *scales)  # the key runs, not the (B, S, T) mask
         return out
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        q, k, v, out, lse, first, last = ctx.saved_tensors
+        q, k, v, out, lse, first, last, *scales = ctx.saved_tensors
+        if scales:
+            k, v = k.float() * scales[0][..., None], v.float() * scales[1][..., None]
         dq, dk, dv = _flash_backward(q, k, v, out, lse, first, last, grad, ctx.scale, bf16_dot=ctx.bf16_dot)
-        return dq, dk, dv, None, None
+        return dq, dk.to(ctx.k_dtype), dv.to(ctx.v_dtype), None, None, None
 
 
 @_plain_torch

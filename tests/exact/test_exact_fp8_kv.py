@@ -85,3 +85,33 @@ def test_gradients_pass_straight_through_the_rounding():
     assert torch.equal(y, fp8_kv_roundtrip(x.detach()))
     (y * torch.arange(16.0)).sum().backward()
     assert torch.equal(x.grad, torch.arange(16.0).expand(5, 16))
+
+
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.interpreter), pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_kernel_reads_the_training_forwards_keys_as_a_decode_step_reads_the_cache(device):
+    """Head dim 128, BF16 queries (on CUDA the tensor-core products): each query's output over the cache
+    in place (codes and scales, one decode step) equals the training forward's exact attention through
+    the roundtrip, whose gradients are the torch version's through the straight-through rounding.
+    Handing the kernel the roundtrip's FP32 values instead changed bits in one query of three on an
+    H100 (session 24), whence `FP8KVRoundtrip.encode`."""
+    from jetrl_trainer.exact import ops
+    from jetrl_trainer.rollout.engine import kv_roundtrip
+
+    b, h, h_kv, t, d = (2, 32, 8, 300, 128) if device == "cuda" else (2, 4, 2, 70, 128)  # the interpreter is slow
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(b, n, t, d, generator=g).to(device, torch.bfloat16).requires_grad_() for n in (h, h_kv, h_kv))
+    valid = torch.ones(t, t, dtype=torch.bool, device=device).tril()[None].expand(b, t, t)
+    roundtrip = kv_roundtrip("fp8")
+    trained = ops.exact_attention(q, k, v, valid, 0.088, kv_roundtrip=roundtrip)
+    (k_codes, k_scale), (v_codes, v_scale) = roundtrip.encode(k.detach()), roundtrip.encode(v.detach())
+    first, rows = torch.zeros(b, dtype=torch.long, device=device), torch.arange(b, device=device)
+    for p in (0, 5, 64, t // 2 + 7, t - 1):
+        step = ops.exact_attention_over_runs(q.detach()[:, :, p : p + 1], k_codes, v_codes, first,
+                                             torch.full((b, 1), p, device=device), 0.088, kv_rows=rows,
+                                             k_scale=k_scale, v_scale=v_scale)  # fmt: skip
+        assert torch.equal(step[:, :, 0], trained.detach()[:, :, p]), f"query {p}"
+    weights = torch.randn(trained.shape, generator=g).to(device)
+    grads = torch.autograd.grad((trained.float() * weights).sum(), (q, k, v))
+    reference = ops._torch_attention(q, straight_through(k, roundtrip), straight_through(v, roundtrip), valid, 0.088)
+    expected = torch.autograd.grad((reference.float() * weights).sum(), (q, k, v))
+    assert all(torch.allclose(a.float(), e.float(), atol=5e-2, rtol=5e-2) for a, e in zip(grads, expected))

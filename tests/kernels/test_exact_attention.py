@@ -149,6 +149,22 @@ def test_the_exact_ops_run_it_and_differentiate_it(device, dot, monkeypatch):
     assert all(torch.allclose(g, e, atol=tolerance[1]) for g, e in zip(grads, expected))
 
 
+def test_auto_takes_tensor_cores_for_bf16_queries_only(monkeypatch):
+    """The shipped ``dot="auto"``: tensor cores where the queries are BF16 (nothing of theirs rounded),
+    FP32 FMA for FP32 and FP16 ones and under the interpreter (its BF16 dots are wrong)."""
+    from jetrl_trainer.kernels.triton_exact_attention import uses_tensor_cores
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    auto = _settings("auto")
+    assert uses_tensor_cores(auto, torch.bfloat16)
+    assert not uses_tensor_cores(auto, torch.float32) and not uses_tensor_cores(auto, torch.float16)
+    assert uses_tensor_cores(_settings("bf16"), torch.float32) and not uses_tensor_cores(_settings("fp32"), torch.bfloat16)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not uses_tensor_cores(auto, torch.bfloat16)
+    with pytest.raises(ValueError, match="'auto', 'fp32' or 'bf16'"):
+        _settings("tf32")
+
+
 @pytest.mark.sm90
 def test_it_compiles_for_sm90():
     from _sm90 import compile_sm90

@@ -10,31 +10,58 @@ reference numerics) and read back as ``q * scale``. About half the memory and at
 rollout then attends over other keys and values than a plain training forward, unless that forward
 reads them the same way: `fp8_kv_roundtrip` is what the cache does to a key or value, and under the
 exact contract (`ExactOps(kv_roundtrip=...)`) the training forward's attention applies it too, so the
-unified flow stays exactly on-policy with the FP8 cache. Without the exact contract ``JetGRPOConfig``
+unified flow stays exactly on-policy with the FP8 cache. On CUDA that forward's attention kernel
+reads the codes and scales themselves (`FP8KVRoundtrip.encode`), as the decode reads the cache: the
+kernel's tensor-core products round an FP8-coded operand otherwise than the same value handed over in
+FP32 (measured on an H100: a different bit in one query of three). Without the exact contract ``JetGRPOConfig``
 allows the FP8 cache only with a corrector, outside the unified flow.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from jetrl_trainer.quant.fp8 import FP8_DTYPE, dequantize_fp8_groups, quantize_fp8_groups
 
-__all__ = ["KVCache", "fp8_kv_roundtrip", "kv_roundtrip"]
+__all__ = ["FP8KVRoundtrip", "KVCache", "fp8_kv_encode", "fp8_kv_roundtrip", "kv_roundtrip"]
+
+
+def fp8_kv_encode(x: Tensor) -> tuple[Tensor, Tensor]:
+    """Keys or values ``(..., head_dim)`` as the FP8 cache stores them: E4M3 codes shaped like ``x`` and
+    one FP32 scale per head vector ``(...)``."""
+    q, s = quantize_fp8_groups(x, x.shape[-1])
+    return q, s[..., 0]
 
 
 def fp8_kv_roundtrip(x: Tensor) -> Tensor:
     """A key or value ``(..., head_dim)`` (any float dtype) as the FP8 cache stores and returns it: FP32
     ``q * scale``, exactly what `KVCache.read` gives for ``dtype=torch.float32``."""
-    q, s = quantize_fp8_groups(x, x.shape[-1])
-    return dequantize_fp8_groups(q, s, x.shape[-1], torch.float32)
+    q, s = fp8_kv_encode(x)
+    return dequantize_fp8_groups(q, s[..., None], x.shape[-1], torch.float32)
 
 
-def kv_roundtrip(kv_cache_dtype: str):
+@dataclass(frozen=True)
+class FP8KVRoundtrip:
+    """The FP8 cache's rounding for `ExactOps`: called, `fp8_kv_roundtrip` (what the torch attention
+    reads); ``encode``, `fp8_kv_encode` (the codes and scales the CUDA kernel reads, as over the cache)."""
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return fp8_kv_roundtrip(x)
+
+    def encode(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        return fp8_kv_encode(x)
+
+
+def kv_roundtrip(kv_cache_dtype: str) -> FP8KVRoundtrip | None:
     """What a cache of ``kv_cache_dtype`` does to keys and values (`ExactOps`' ``kv_roundtrip``): None
     where it keeps them as they are."""
-    return fp8_kv_roundtrip if kv_cache_dtype == "fp8" else None
+    return _FP8_KV_ROUNDTRIP if kv_cache_dtype == "fp8" else None
+
+
+_FP8_KV_ROUNDTRIP = FP8KVRoundtrip()
 
 
 class KVCache:
@@ -81,10 +108,7 @@ class KVCache:
         """Keys or values ``(..., head_dim)`` in the cache's format: ``(values, scales)``, scales
         ``(...)`` for FP8 and None otherwise. Each head vector is encoded on its own, so encoding a
         padded batch of prompts once and slicing it equals encoding each slice."""
-        if not self.fp8:
-            return x, None
-        q, s = quantize_fp8_groups(x, x.shape[-1])
-        return q, s[..., 0]
+        return fp8_kv_encode(x) if self.fp8 else (x, None)
 
     def _write(self, index: tuple, k: tuple[Tensor, Tensor | None], v: tuple[Tensor, Tensor | None]) -> None:
         for cache, scales, (values, s) in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
