@@ -173,7 +173,7 @@ class ExactAttentionSettings:
             BF16 already (a BF16 model, or autocast), so only the probabilities are rounded, and FP32
             FMA for FP32 or FP16 queries. All keep the contract (both phases run the same
             instructions; a model's queries have one dtype in both). Measured on an H100
-            (docs/performance.md): the tensor-core products are 50-100x faster than FP32 FMA and as
+            (docs/performance.md): the tensor-core products are 20-100x faster than FP32 FMA and as
             fast as the split-KV decode kernel, 1k-16k positions.
     """
 
