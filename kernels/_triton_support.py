@@ -46,8 +46,9 @@ def triton_enabled() -> bool:
 
     Read once; ``jetrl_trainer.kernels.reset_kernel_caches()`` re-reads the variable. Its readers
     (documented in docs/trainer.md): the quantization kernels, the fused RMSNorm / SwiGLU
-    quantization, the decode GEMM and the engine's sampler; the ``triton`` GEMM backend and the
-    engine's graphed RoPE / attention kernels ask :func:`triton_available` instead.
+    quantization, the decode GEMM and the engine's sampler; the ``triton`` GEMM backend, the
+    engine's graphed RoPE / attention kernels and the exact ops' kernels (``jetrl_trainer.exact``,
+    whose torch fallbacks give other bits) ask :func:`triton_available` instead.
     """
     return triton_available() and os.environ.get(_DISABLE_ENV) != "1"
 

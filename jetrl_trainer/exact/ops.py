@@ -121,9 +121,12 @@ def _invariant_matmul(a: Tensor, b: Tensor) -> Tensor:
 
 
 def _triton_matmul():
+    # The exact ops' kernels ask `triton_available`, not `triton_enabled`: their arithmetic is the
+    # contract's on CUDA (the torch fallbacks there give other bits, cuBLAS not even batch-invariant),
+    # so JETRL_DISABLE_TRITON, which swaps fast kernels for same-bit references, leaves them alone.
     from jetrl_trainer import kernels
 
-    return kernels.optional_module("triton_invariant_matmul") if kernels.triton_enabled() else None
+    return kernels.optional_module("triton_invariant_matmul") if kernels.triton_available() else None
 
 
 def _cuda_matmul(a: Tensor, b: Tensor, batch: torch.Size) -> Tensor:
@@ -170,7 +173,7 @@ def _row_sum_kernel_runs(x: Tensor) -> bool:
 def _triton_row_sum():
     from jetrl_trainer import kernels
 
-    return kernels.optional_module("triton_row_sum") if kernels.triton_enabled() else None
+    return kernels.optional_module("triton_row_sum") if kernels.triton_available() else None
 
 
 class _RowSum(torch.autograd.Function):

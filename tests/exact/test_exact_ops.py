@@ -9,17 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _tensors import seeded_randn as _rand
 import torch.nn.functional as F
 
 from jetrl_trainer.exact import ROWS, ExactOps, exact_attention, exact_linear, row_invariant_matmul, row_mean
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 DTYPES = [torch.float32, torch.bfloat16]
-
-
-def _rand(*shape, dtype=torch.float32, device="cpu", seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=g).to(dtype=dtype, device=device)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _tensors import seeded_randn as _rand
 
 DOTS = ["fp32", "bf16"]  # ExactAttentionSettings.dot: FP32 FMA products, or tensor cores on BF16 operands
 # Triton 3.6's interpreter computes a dot of BF16 operands on their raw bits (outputs ~1e8): the BF16
@@ -23,11 +24,6 @@ def _settings(dot):
     from jetrl_trainer.kernels.settings import ExactAttentionSettings
 
     return ExactAttentionSettings(dot=dot)
-
-
-def _rand(*shape, dtype=torch.float32, device="cpu", seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=g).to(dtype=dtype, device=device)
 
 
 def _reference(q, k, v, first, last, scale):

@@ -8,11 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-
-def _rand(*shape, dtype=torch.float32, device="cpu", seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=g).to(dtype=dtype, device=device)
+from _tensors import seeded_randn as _rand
 
 
 def _assert_invariant(x, sums):
