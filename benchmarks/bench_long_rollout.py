@@ -8,7 +8,10 @@ the memory free once the configuration's weights exist, its FP8 weight cache inc
 ``--margin-gib`` for activations and graphs), a finished sequence's slot refilled by a waiting one, as
 ``rollout_kv_cache_gib`` runs a rollout. Per configuration: the slots, the largest batch that fits
 that budget at 8k and 16k new tokens, tok/s, ms per decode step, peak memory, the KV cache's bytes,
-and (CUDA) where a decode step's GPU time goes at mid-length, by kernel kind. ``fp8_kv_exact`` decodes
+(CUDA) where a decode step's GPU time goes at mid-length, by kernel kind, and the unified mismatch of
+the first ``--mismatch-rows`` sequences: their recorded log-probs against the unified flow's training
+forward in the rollout's recipe (the exact training forward, through the cache's rounding, for the
+exact configurations; the model's plain forward for the others). ``fp8_kv_exact`` decodes
 under the exact contract, as the unified flow with the FP8 cache does, and ``bf16_exact`` as the
 unified BF16 flow with ``exact_logprobs``; the others run the engine's kernel path.
 
@@ -83,6 +86,31 @@ def attention_share(engine: DecodeEngine, model, slots: int, length: int) -> dic
                 by_kind=kinds["by_kind"], top=kinds["top"])  # fmt: skip
 
 
+def unified_mismatch(model, phase: str, kv_dtype: str, exact: bool, prompts, ids, recorded, rows: int) -> dict:
+    """|recorded - training forward| over the completions of the first ``rows`` sequences, one forward
+    per sequence (an 8k-token row's FP32 logits over 151,936 tokens take 5 GiB)."""
+    from jetrl_trainer.exact import training_logprobs
+    from jetrl_trainer.exact.ops import token_logprobs
+
+    device = next(model.parameters()).device
+    diffs = []
+    for prompt, completion, logps in list(zip(prompts, ids, recorded))[:rows]:
+        input_ids = torch.tensor([list(prompt) + list(completion)], device=device)
+        mask, width = torch.ones_like(input_ids), len(completion)
+        with torch.no_grad(), PrecisionPhases(model).use(phase):
+            if exact:
+                forward = training_logprobs(model, input_ids, mask, width, temperature=1.0,
+                                            kv_roundtrip=kv_roundtrip(kv_dtype))[0]  # fmt: skip
+            else:
+                logits = model(input_ids=input_ids, attention_mask=mask, logits_to_keep=width + 1).logits[:, :-1]
+                forward = token_logprobs(logits.float(), input_ids[:, -width:], 1.0)
+                del logits
+        diffs.append(forward[0].float().cpu() - torch.tensor(logps, dtype=torch.float32))
+    d = torch.cat(diffs).abs()
+    return dict(rows=rows, tokens=d.numel(), logp_abs_diff_mean=float(d.mean()), logp_abs_diff_max=float(d.max()),
+                bits_equal_share=round(float((d == 0).float().mean()), 6))  # fmt: skip
+
+
 def free_budget(args) -> int:
     """The KV budget: ``--kv-gib``, else the device's free memory less ``--margin-gib`` (1 GiB on CPU)."""
     if args.kv_gib is not None:
@@ -120,7 +148,7 @@ def run(name: str, model, args, budget_bytes: int | None = None) -> dict:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
-        ids, _ = engine.generate(prompts, config, eos_token_ids=[-1], seed=1, max_batch_size=slots)
+        ids, recorded = engine.generate(prompts, config, eos_token_ids=[-1], seed=1, max_batch_size=slots)
         if cuda:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
@@ -138,6 +166,9 @@ def run(name: str, model, args, budget_bytes: int | None = None) -> dict:
             result["mid_length_step"] = attention_share(engine, model, slots, args.prompt + args.new // 2)
     del engine
     torch.cuda.empty_cache() if cuda else None
+    if args.mismatch_rows:
+        result["unified_mismatch"] = unified_mismatch(model, phase, kv_dtype, exact, prompts, ids, recorded,
+                                                      args.mismatch_rows)  # fmt: skip
     return result
 
 
@@ -149,6 +180,7 @@ def main() -> None:
     ap.add_argument("--sequences", type=int, default=64, help="sequences every configuration decodes")
     ap.add_argument("--kv-gib", type=float, default=None, help="KV budget; default: free memory less --margin-gib")
     ap.add_argument("--margin-gib", type=float, default=8.0)
+    ap.add_argument("--mismatch-rows", type=int, default=2, help="sequences whose unified mismatch is measured (0: none)")
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list of {', '.join(CONFIGS)}")
     ap.add_argument("--shape", default="8b", choices=["8b", "tiny"], help="8b: Qwen3-8B layer shapes; tiny: CPU smoke")
     ap.add_argument("--device", default="cuda")

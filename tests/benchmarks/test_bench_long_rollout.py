@@ -1,6 +1,7 @@
 """The long-rollout benchmark (``benchmarks/bench_long_rollout.py``) on CPU at a tiny shape: every
 configuration decodes the same sequences, each through the slots its cache format fits in the budget
-(the FP8 cache holds more), refilled; tokens, seconds and slots are reported."""
+(the FP8 cache holds more), refilled; tokens, seconds and slots are reported, and the unified mismatch,
+exactly 0 under the exact contract and not on the kernel path."""
 
 from __future__ import annotations
 
@@ -15,12 +16,16 @@ bench = pytest.importorskip("bench_long_rollout")
 
 
 def test_the_fp8_cache_gets_more_slots_from_the_same_budget_and_every_configuration_decodes_everything():
-    args = argparse.Namespace(layers=2, prompt=32, new=16, sequences=6, shape="tiny", device="cpu")
+    args = argparse.Namespace(layers=2, prompt=32, new=16, sequences=6, shape="tiny", device="cpu", mismatch_rows=2)
     model = bench.build(args)
     budget = 4 * (args.prompt + args.new) * 2 * 2 * 2 * 32 * 2  # four BF16 sequences of the tiny model
     rows = {name: bench.run(name, model, args, budget) for name in bench.CONFIGS}
     assert {name: row["slots"] for name, row in rows.items()} == {"bf16": 4, "fp8": 4, "fp8_kv": 6, "bf16_exact": 4, "fp8_kv_exact": 6}
     assert all(row["generated_tokens"] == 6 * 16 and row["tok_per_s"] > 0 for row in rows.values())
+    mismatch = {name: row["unified_mismatch"] for name, row in rows.items()}
+    assert all(m["tokens"] == 2 * 16 for m in mismatch.values())
+    assert all(mismatch[n]["logp_abs_diff_max"] == 0 and mismatch[n]["bits_equal_share"] == 1 for n in ("bf16_exact", "fp8_kv_exact"))
+    assert all(mismatch[n]["logp_abs_diff_max"] > 0 for n in ("fp8", "fp8_kv"))  # the kernel path is not exact
     # the largest batch at 8k / 16k new tokens from the same budget: the FP8 cache holds about twice the BF16 one
     bf16, fp8 = rows["bf16"]["largest_batch"], rows["fp8_kv"]["largest_batch"]
     assert bf16 == {"8k": budget // ((32 + 8192) * 512), "16k": budget // ((32 + 16384) * 512)}
@@ -33,6 +38,7 @@ def test_the_fp8_cache_gets_more_slots_from_the_same_budget_and_every_configurat
 
 def test_without_a_budget_each_configuration_measures_its_own_after_its_weights_exist():
     args = argparse.Namespace(layers=2, prompt=8, new=4, sequences=2, shape="tiny", device="cpu", kv_gib=None,
-                              margin_gib=0.0)  # fmt: skip
+                              margin_gib=0.0, mismatch_rows=0)  # fmt: skip
     row = bench.run("fp8_kv", bench.build(args), args)
     assert row["kv_budget_gib"] == 1.0 and row["slots"] == 2 and row["generated_tokens"] == 2 * 4  # CPU: 1 GiB
+    assert "unified_mismatch" not in row  # --mismatch-rows 0
