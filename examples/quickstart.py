@@ -28,7 +28,6 @@ import argparse
 import json
 import math
 import os
-import sys
 import time
 
 # torch / transformers / jetrl_trainer are imported in main(), so that `--help` answers at once.
@@ -223,4 +222,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    from jetrl_trainer import exit_process  # a gloo (CPU) launch ends without a race at exit
+
+    exit_process(code)

@@ -36,7 +36,7 @@ import torch
 from transformers import TrainerCallback
 from trl import TrlParser
 
-from jetrl_trainer import JetGRPOConfig, JetGRPOTrainer
+from jetrl_trainer import JetGRPOConfig, JetGRPOTrainer, exit_process
 from jetrl_trainer.diffusion import diffusion_warm_start
 from jetrl_trainer.tasks import get_task
 
@@ -216,4 +216,4 @@ def main(script: LLaDAScriptArguments, training: JetGRPOConfig) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(*parse()))
+    exit_process(main(*parse()))  # a gloo (CPU) launch ends without a race at exit

@@ -17,6 +17,7 @@ _LAZY = {
     "dequantize_model": "jetrl_trainer.quant.convert",
     "JetGRPOConfig": "jetrl_trainer.config",
     "JetGRPOTrainer": "jetrl_trainer.trainer",
+    "exit_process": "jetrl_trainer._dist",
 }
 
 __all__ = ["__version__", *_LAZY]

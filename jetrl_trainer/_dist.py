@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Mapping
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -10,7 +13,7 @@ from torch import Tensor
 
 from jetrl_trainer.correctors import reduce_op
 
-__all__ = ["all_reduce_sums", "any_across_processes"]
+__all__ = ["all_reduce_sums", "any_across_processes", "exit_process"]
 
 _OPS = {"sum": "SUM", "max": "MAX", "min": "MIN"}
 
@@ -44,3 +47,21 @@ def any_across_processes(flag: bool, device: torch.device | str = "cpu") -> bool
     t = torch.tensor([1.0 if flag else 0.0], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item() > 0)
+
+
+def exit_process(code: int = 0) -> NoReturn:
+    """End a script: ``sys.exit(code)``, except in a gloo process group (CPU training), where every
+    rank waits for the others, tears the group down, flushes and leaves without finalizing Python.
+
+    Finalizing races gloo's worker threads: one still releasing a collective's tensors takes the GIL
+    during finalization, Python 3.11 unwinds it out of a noexcept destructor, and the rank aborts
+    with "terminate called without an active exception" after its work is done and saved
+    (docs/distributed.md). ``destroy_process_group`` cannot join those threads while DDP or ZeRO
+    still hold the group. NCCL runs finalize normally (atexit hooks, background uploads)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
+        dist.barrier()
+        dist.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

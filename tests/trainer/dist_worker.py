@@ -13,7 +13,7 @@ optimizer step:
   rank before any all-reduce (``sums``: value and dtype per key), from which the test recomputes
   the figure over all ranks' tokens and each rank's local-only figure.
 
-After the last record it leaves without interpreter finalization (`exit_without_finalizing`), and
+After the last record it leaves without interpreter finalization (`jetrl_trainer.exit_process`), and
 if finalization ever starts it writes ``<out>/rank<r>.finalized.json`` with the gloo threads
 still alive then, which the test requires to be none.
 
@@ -31,15 +31,14 @@ import contextlib
 import hashlib
 import json
 import os
-import sys
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
-from jetrl_trainer import JetGRPOConfig, JetGRPOTrainer
+from jetrl_trainer import JetGRPOConfig, JetGRPOTrainer, exit_process
 from jetrl_trainer.quant import QuantLinear
 
 __all__: list[str] = []
@@ -191,7 +190,7 @@ def main() -> None:
     atexit.register(record_finalization, Path(a.out) / f"rank{os.environ.get('RANK', '0')}.finalized.json")
     for strategy in a.strategy:
         run(a.model, Path(a.out) / strategy.replace(":", "-"), strategy, a.steps, a.deepspeed)
-    exit_without_finalizing()
+    exit_process(0)  # no interpreter finalization: it races gloo's threads (jetrl_trainer.exit_process)
 
 
 def gloo_threads() -> list[str]:
@@ -207,23 +206,6 @@ def gloo_threads() -> list[str]:
 def record_finalization(path: Path) -> None:
     # atexit runs just before finalization: record the threads that finalization would race.
     path.write_text(json.dumps({"gloo_threads": gloo_threads()}))
-
-
-def exit_without_finalizing() -> NoReturn:
-    """Wait for both ranks, tear the process group down, and exit without finalizing Python.
-
-    Finalizing races gloo's worker threads: one still releasing the last collective's tensors
-    takes the GIL during finalization, glibc unwinds it out of a noexcept destructor, and the rank
-    aborts with "terminate called without an active exception" (SIGABRT). destroy_process_group
-    cannot join those threads: the engines still hold the groups (ZeRO-3 parameters'
-    ``ds_process_group``, for one). Every record is written by now; finalization has nothing to do.
-    """
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -355,3 +355,12 @@ def test_quantize_fp8_blocks_of_the_gathered_weight_is_what_the_layer_uses():
     ref_q, ref_s = quantize_fp8_blocks(sim.full)
     assert w_q.shape == (192, 256) and torch.equal(w_q.view(torch.uint8), ref_q.view(torch.uint8))
     assert torch.equal(w_s, ref_s)
+
+
+def test_exit_process_without_a_process_group_is_sys_exit():
+    """A single process (or NCCL) ends as ``sys.exit`` would, finalizing Python and running atexit."""
+    from jetrl_trainer import exit_process
+
+    with pytest.raises(SystemExit) as exited:
+        exit_process(3)
+    assert exited.value.code == 3
