@@ -282,20 +282,20 @@ class _KernelAttention(torch.autograd.Function):
         ctx.k_dtype, ctx.v_dtype = k.dtype, v.dtype
         with torch._C.DisableTorchFunction():
             first, last = _key_runs(key_valid)
-            scales = ()
+            k_scale = v_scale = None
             if encode is not None:  # the codes and scales (1 byte + 4 per head vector) saved, not FP32 values
                 (k, k_scale), (v, v_scale) = encode(k), encode(v)
-                scales = (k_scale, v_scale)
             out, lse = _triton_attention().exact_attention(q, k, v, first, last, scale, ATTENTION, return_lse=True,
-                                                           **dict(zip(("k_scale", "v_scale"), scales)))  # fmt: skip
-            ctx.save_for_backward(q, k, v, out, lse, first, last, *scales)  # the key runs, not the (B, S, T) mask
+                                                           k_scale=k_scale, v_scale=v_scale)  # fmt: skip
+            # the key runs, not the (B, S, T) mask
+            ctx.save_for_backward(q, k, v, out, lse, first, last, k_scale, v_scale)
         return out
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        q, k, v, out, lse, first, last, *scales = ctx.saved_tensors
-        if scales:
-            k, v = k.float() * scales[0][..., None], v.float() * scales[1][..., None]
+        q, k, v, out, lse, first, last, k_scale, v_scale = ctx.saved_tensors
+        if k_scale is not None:
+            k, v = k.float() * k_scale[..., None], v.float() * v_scale[..., None]
         dq, dk, dv = _flash_backward(q, k, v, out, lse, first, last, grad, ctx.scale, bf16_dot=ctx.bf16_dot)
         return dq, dk.to(ctx.k_dtype), dv.to(ctx.v_dtype), None, None, None
 

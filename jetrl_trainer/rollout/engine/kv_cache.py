@@ -58,10 +58,7 @@ class FP8KVRoundtrip:
 def kv_roundtrip(kv_cache_dtype: str) -> FP8KVRoundtrip | None:
     """What a cache of ``kv_cache_dtype`` does to keys and values (`ExactOps`' ``kv_roundtrip``): None
     where it keeps them as they are."""
-    return _FP8_KV_ROUNDTRIP if kv_cache_dtype == "fp8" else None
-
-
-_FP8_KV_ROUNDTRIP = FP8KVRoundtrip()
+    return FP8KVRoundtrip() if kv_cache_dtype == "fp8" else None
 
 
 class KVCache:
