@@ -171,8 +171,9 @@ class ExactAttentionSettings:
             cores, the operands (and the probabilities) rounded to BF16 and the products summed in
             FP32, as flash attention computes them; ``"auto"``: tensor cores where the queries are
             BF16 already (a BF16 model), so only the probabilities are rounded, and FP32 FMA for
-            FP32 or FP16 queries (an FP32 model's RoPE keeps them FP32 under autocast too). All keep the contract (both phases run the same
-            instructions; a model's queries have one dtype in both). Measured on an H100
+            FP32 or FP16 queries (an FP32 model's RoPE keeps them FP32 under autocast too). All keep
+            the contract (both phases run the same instructions; a model's queries have one dtype in
+            both). Measured on an H100
             (docs/performance.md): the tensor-core products are 20-100x faster than FP32 FMA and as
             fast as the split-KV decode kernel, 1k-16k positions.
     """
