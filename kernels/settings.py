@@ -170,12 +170,11 @@ class ExactAttentionSettings:
         dot: ``"fp32"``: the score and value products in FP32 FMA (no TF32); ``"bf16"``: on tensor
             cores, the operands (and the probabilities) rounded to BF16 and the products summed in
             FP32, as flash attention computes them; ``"auto"``: tensor cores where the queries are
-            BF16 already (a BF16 model), so only the probabilities are rounded, and FP32 FMA for
-            FP32 or FP16 queries (an FP32 model's RoPE keeps them FP32 under autocast too). All keep
-            the contract (both phases run the same instructions; a model's queries have one dtype in
-            both). Measured on an H100
-            (docs/performance.md): the tensor-core products are 20-100x faster than FP32 FMA and as
-            fast as the split-KV decode kernel, 1k-16k positions.
+            BF16 (a BF16 model), so only the probabilities are rounded, or where the exact ops run
+            under BF16 autocast (whose plain attention computes in BF16 too), and FP32 FMA otherwise.
+            All keep the contract (both phases run the same instructions under the same autocast).
+            Measured on an H100 (docs/performance.md): the tensor-core products are 20-100x faster
+            than FP32 FMA and as fast as the split-KV decode kernel, 1k-16k positions.
     """
 
     block_m: int = 16

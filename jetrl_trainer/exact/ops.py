@@ -29,6 +29,7 @@ block, measured invariant). Plain torch on every device but for the CUDA matmul 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 
@@ -252,7 +253,19 @@ def exact_attention_over_runs(q: Tensor, k: Tensor, v: Tensor, first_key: Tensor
     sync. None where the kernel does not run (off CUDA, no Triton): the caller reads the cache out."""
     if not _runs_kernel(q):
         return None
-    return _triton_attention().exact_attention(q, k, v, first_key, last_key, scale, ATTENTION, **cache)
+    return _triton_attention().exact_attention(q, k, v, first_key, last_key, scale, _attention_settings(q), **cache)
+
+
+def _attention_settings(q: Tensor) -> ExactAttentionSettings:
+    """`ATTENTION` for this call: ``dot="auto"`` takes tensor cores for FP32 queries too under BF16
+    autocast, where the plain forward's attention computes in BF16 as well (TRL's default, FP32
+    master weights with ``bf16=True``, would otherwise run the FP32 FMA products, 20-100x slower on
+    an H100). Both phases run under the same autocast (`ExactOps`' contract), so they settle alike."""
+    device = q.device.type
+    autocast_bf16 = torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == torch.bfloat16
+    if ATTENTION.dot == "auto" and autocast_bf16 and _triton_attention().uses_tensor_cores(ATTENTION, torch.bfloat16):
+        return dataclasses.replace(ATTENTION, dot="bf16")
+    return ATTENTION
 
 
 def _triton_attention():
@@ -278,14 +291,15 @@ class _KernelAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, scale: float, encode) -> Tensor:
-        ctx.scale, ctx.bf16_dot = scale, _triton_attention().uses_tensor_cores(ATTENTION, q.dtype)
+        settings = _attention_settings(q)
+        ctx.scale, ctx.bf16_dot = scale, _triton_attention().uses_tensor_cores(settings, q.dtype)
         ctx.k_dtype, ctx.v_dtype = k.dtype, v.dtype
         with torch._C.DisableTorchFunction():
             first, last = _key_runs(key_valid)
             k_scale = v_scale = None
             if encode is not None:  # the codes and scales (1 byte + 4 per head vector) saved, not FP32 values
                 (k, k_scale), (v, v_scale) = encode(k), encode(v)
-            out, lse = _triton_attention().exact_attention(q, k, v, first, last, scale, ATTENTION, return_lse=True,
+            out, lse = _triton_attention().exact_attention(q, k, v, first, last, scale, settings, return_lse=True,
                                                            k_scale=k_scale, v_scale=v_scale)  # fmt: skip
             # the key runs, not the (B, S, T) mask
             ctx.save_for_backward(q, k, v, out, lse, first, last, k_scale, v_scale)

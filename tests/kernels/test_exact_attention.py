@@ -176,3 +176,22 @@ def test_it_compiles_for_sm90():
             ptx = compile_sm90(exact_attention_kernel, pointers, constexprs,
                                floats=("scale",), launch=dict(num_warps=4), odd=("S", "T", "ROWS"))  # fmt: skip
             assert "ex2" in ptx and ("mma" in ptx) == bf16_dot  # tensor-core instructions only for the BF16 dot
+
+
+def test_auto_takes_tensor_cores_under_bf16_autocast(monkeypatch):
+    """FP32 queries under BF16 autocast (FP32 master weights with ``bf16=True``) take the tensor cores,
+    as their plain attention computes in BF16 too; without autocast, or under FP16 autocast, FP32 FMA."""
+    pytest.importorskip("triton", reason="the exact attention kernel needs Triton")
+    from jetrl_trainer.exact import ops
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(ops, "ATTENTION", _settings("auto"))
+    q = torch.zeros(1, 1, 1, 8)
+    assert ops._attention_settings(q).dot == "auto"
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert ops._attention_settings(q).dot == "bf16"
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert ops._attention_settings(q).dot == "auto"
+    monkeypatch.setattr(ops, "ATTENTION", _settings("fp32"))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert ops._attention_settings(q).dot == "fp32"
