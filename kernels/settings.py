@@ -198,6 +198,9 @@ class InvariantMatmulSettings:
     Parameters:
         block_m, block_n: the output tile (any M is padded up to a multiple of ``block_m`` by masking).
         block_k: the K step for BF16/FP16 operands; ``block_k_fp32`` for FP32 ones.
+        split_k: K is summed in chunks of this many positions, each from zero, and the chunks added
+            in order (a multiple of both K steps): the split plan, fixed by K alone. A launch with
+            fewer tiles than the GPU has SMs (a decode step) runs the chunks in separate programs.
         num_warps, num_stages: Triton launch parameters.
     """
 
@@ -205,11 +208,15 @@ class InvariantMatmulSettings:
     block_n: int = 64
     block_k: int = 64
     block_k_fp32: int = 32
+    split_k: int = 2048
     num_warps: int = 4
     num_stages: int = 3
 
     def __post_init__(self) -> None:
-        _positive(self, "block_m", "block_n", "block_k", "block_k_fp32", "num_warps", "num_stages")
+        _positive(self, "block_m", "block_n", "block_k", "block_k_fp32", "split_k", "num_warps", "num_stages")
+        if self.split_k % self.block_k or self.split_k % self.block_k_fp32:
+            raise ValueError(f"InvariantMatmulSettings.split_k ({self.split_k}) must be a multiple of block_k "
+                             f"({self.block_k}) and block_k_fp32 ({self.block_k_fp32}).")
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,30 @@ def test_it_multiplies(g, m, k, n):
     assert torch.allclose(invariant_matmul(at, b), at @ b, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("k", [64, 200, 257])
+def test_spread_chunks_give_the_bits_of_chunks_summed_in_program(k):
+    """K in chunks of 64 (1, 4 and 5 of them): the chunks in separate programs, added by the launcher,
+    equal each program adding its own, bit for bit, for any M; and both are ``a @ b``."""
+    from jetrl_trainer.kernels.settings import InvariantMatmulSettings
+    from jetrl_trainer.kernels.triton_invariant_matmul import invariant_matmul
+
+    settings = InvariantMatmulSettings(block_m=16, block_n=16, block_k_fp32=32, block_k=32, split_k=64)
+    a, b = _rand(2, 37, k), _rand(2, k, 40, seed=1)
+    in_program = invariant_matmul(a, b, settings, spread=False)
+    assert torch.allclose(in_program, a @ b, rtol=1e-4, atol=1e-4)
+    assert torch.equal(invariant_matmul(a, b, settings, spread=True), in_program)
+    for rows in (1, 5, 16, 17):
+        assert torch.equal(invariant_matmul(a[:, :rows], b, settings, spread=True), in_program[:, :rows])
+
+
+def test_split_k_must_be_a_multiple_of_the_k_steps():
+    from jetrl_trainer.kernels.settings import InvariantMatmulSettings
+
+    with pytest.raises(ValueError, match="split_k .* must be a multiple of block_k"):
+        InvariantMatmulSettings(split_k=100)
+
+
 @pytest.mark.sm90
 def test_it_compiles_for_sm90_with_wgmma():
     from _sm90 import compile_sm90
@@ -33,10 +57,12 @@ def test_it_compiles_for_sm90_with_wgmma():
     from jetrl_trainer.kernels._triton_invariant_matmul_jit import invariant_matmul_kernel
 
     for dtype, ieee, block_k in (("bf16", False, 64), ("fp32", True, 32)):
-        ptx = compile_sm90(invariant_matmul_kernel, dict(a_ptr=f"*{dtype}", b_ptr=f"*{dtype}", c_ptr=f"*{dtype}"),
-                           dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=block_k, IEEE=ieee), launch=dict(num_warps=4),
-                           odd=("M",))  # fmt: skip
-        assert ("wgmma" in ptx) == (dtype == "bf16")
+        for spread in (False, True):  # the training forward's launch; a decode step's (FP32 partials)
+            c_ptr = "*fp32" if spread else f"*{dtype}"
+            ptx = compile_sm90(invariant_matmul_kernel, dict(a_ptr=f"*{dtype}", b_ptr=f"*{dtype}", c_ptr=c_ptr),
+                               dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=block_k, CHUNK=2048, IEEE=ieee, SPREAD=spread),
+                               launch=dict(num_warps=4), odd=("M",))  # fmt: skip
+            assert ("wgmma" in ptx) == (dtype == "bf16")
 
 
 @pytest.mark.gpu
@@ -52,6 +78,21 @@ def test_a_row_keeps_its_bits_across_m_and_batches(dtype):
     assert torch.equal(invariant_matmul(a[:, 100:101], b[None]), full[:, 100:101])
     batched = invariant_matmul(a.expand(5, 300, 4096), b[None].expand(5, 4096, 1024))
     assert all(torch.equal(batched[i], full[0]) for i in range(5))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("k", "n"), [(4096, 1024), (12288, 4096), (4096, 151936)])
+def test_a_decode_steps_spread_chunks_keep_the_training_forwards_bits(dtype, k, n):
+    """The shipped settings at Qwen3-8B's shapes: 64 decode rows with their K chunks spread over
+    programs give the rows' bits in a training forward's 700 rows, whose programs add the chunks."""
+    from jetrl_trainer.kernels.triton_invariant_matmul import invariant_matmul
+
+    a, b = _rand(1, 700, k, dtype=dtype, device="cuda"), _rand(k, n, dtype=dtype, device="cuda", seed=1)
+    full = invariant_matmul(a, b[None], spread=False)
+    for rows in (1, 64):
+        assert torch.equal(invariant_matmul(a[:, :rows], b[None], spread=True), full[:, :rows])
+        assert torch.equal(invariant_matmul(a[:, :rows], b[None]), full[:, :rows])
 
 
 @pytest.mark.gpu

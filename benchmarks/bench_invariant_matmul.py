@@ -1,0 +1,70 @@
+"""The exact mode's batch-invariant matmul against cuBLAS at Qwen3-8B's linear shapes.
+
+Every GEMM of the exact decode and the exact training forward on CUDA is
+`kernels/triton_invariant_matmul.py` (BF16 operands here). Per shape (q, k/v, o, gate/up, down, LM
+head) and row count (``--rows``: 64, a decode step of 64 sequences; 12288, a training micro-batch of
+16 sequences of 768 positions), microseconds per call (median) for cuBLAS (``torch.matmul``), the
+shipped ``InvariantMatmulSettings`` as the exact ops launch it (its K chunks spread over programs
+where the tiles alone leave SMs idle), the same with every chunk summed in program, and each
+``--candidates`` setting (``field=value`` pairs joined by ``,``; candidates by ``;``), so one GPU
+call can pick the settings. Each invariant figure comes with its ratio to cuBLAS.
+
+Usage: ``python benchmarks/bench_invariant_matmul.py [--rows 64,12288]
+[--candidates "split_k=1024;block_m=128,block_n=128"]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import torch
+from _common import bench_ms, dump, environment
+
+SHAPES = {"q/o": (4096, 4096), "k/v": (4096, 1024), "gate/up": (4096, 12288), "down": (12288, 4096),
+          "lm_head": (4096, 151936)}  # name: (K, N)  # fmt: skip
+
+
+def parse_candidates(text: str) -> list[dict]:
+    """``"split_k=1024;block_m=128,block_n=128"`` -> ``[{"split_k": 1024}, {"block_m": 128, "block_n": 128}]``."""
+    return [{k: int(v) for k, v in (pair.split("=") for pair in c.split(","))} for c in text.split(";") if c.strip()]
+
+
+def run_case(rows: int, k: int, n: int, candidates: list[dict]) -> dict:
+    from jetrl_trainer.exact.ops import MATMUL
+    from jetrl_trainer.kernels.triton_invariant_matmul import invariant_matmul
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(1, rows, k, device="cuda", generator=g).bfloat16()
+    b = torch.randn(1, k, n, device="cuda", generator=g).bfloat16() * k**-0.5
+    us = {"cublas": 1e3 * bench_ms(lambda: torch.matmul(a, b))}
+    us["shipped"] = 1e3 * bench_ms(lambda: invariant_matmul(a, b, MATMUL))
+    us["shipped_in_program"] = 1e3 * bench_ms(lambda: invariant_matmul(a, b, MATMUL, spread=False))
+    for fields in candidates:
+        settings = dataclasses.replace(MATMUL, **fields)
+        us[",".join(f"{k}={v}" for k, v in fields.items())] = 1e3 * bench_ms(lambda: invariant_matmul(a, b, settings))
+    return {name: dict(us=round(t, 1), over_cublas=round(t / us["cublas"], 2)) for name, t in us.items()}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default="64,12288")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {', '.join(SHAPES)}")
+    ap.add_argument("--candidates", default="", help='settings to try, e.g. "split_k=1024;block_m=128,block_n=128"')
+    args = ap.parse_args(argv)
+    from jetrl_trainer.exact.ops import MATMUL
+
+    result = dict(benchmark="invariant_matmul", env=environment(), args=vars(args), shipped=dataclasses.asdict(MATMUL),
+                  cases=[])  # fmt: skip
+    for rows in (int(r) for r in args.rows.split(",")):
+        for name in args.shapes.split(","):
+            k, n = SHAPES[name]
+            case = dict(rows=rows, shape=name, k=k, n=n, **run_case(rows, k, n, parse_candidates(args.candidates)))
+            result["cases"].append(case)
+            print(case, flush=True)
+    dump(result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
