@@ -10,7 +10,7 @@ from each padded row's position 0. So these functions fix the shapes the hardwar
 * `row_invariant_matmul`: on CPU every GEMM call is a batch of ``ROWS × K @ K × N`` products, the
   rows padded up to a multiple of ``ROWS``. A row's sum order then depends on (K, N) only; where in
   its chunk a row sits, and what the other rows hold, does not change it (tests/exact/). On CUDA a
-  Triton kernel with one tile shape and no split-K (`kernels/triton_invariant_matmul.py`).
+  Triton kernel with one tile shape and K summed in chunks fixed by K (`kernels/triton_invariant_matmul.py`).
 * `exact_attention`: flash-style attention over key tiles of ``KV_TILE`` positions counted from each
   row's first real key (left padding removed), tile by tile in order, with the online-softmax update
   in FP32. A query's output is a function of its own keys and values only, whether the call holds
