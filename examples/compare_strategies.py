@@ -124,6 +124,12 @@ class CompareArguments:
         metadata={"help": "Run nothing: write study.md and study.png from the finished runs in --output_dir and list "
                           "the missing ones (e.g. after a GPU session ran out before the last run)."},
     )  # fmt: skip
+    start_cache: str | None = field(
+        default=None,
+        metadata={"help": "A folder for each seed's warm-started model: the first process to need it builds and "
+                          "saves it, the others load it, so processes run side by side start from the same bits "
+                          "(a GPU warm start is not bit-reproducible across processes). Tiny models only."},
+    )  # fmt: skip
     gpu: bool = field(
         default=False,
         metadata={"help": "The GPU preset: a local ~0.3B Qwen3 (BF16) warm-started on CUDA, 256-token completions, "
@@ -223,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         spec, model = build(args)
         print(f"study: {spec.task}, {len(spec.strategies)} strategies x {len(spec.seeds)} seeds, {spec.steps} steps "
               f"-> {args.output_dir}")  # fmt: skip
-        out = run_study(spec, model, args.output_dir, run=not args.report_only)
+        out = run_study(spec, model, args.output_dir, run=not args.report_only, start_cache=args.start_cache)
     except ValueError as err:  # bad names, or a folder holding runs of other settings
         raise SystemExit(f"error: {err}") from None
     print(out.table.read_text())

@@ -48,16 +48,20 @@ def run_study(
     progress: bool = True,
     log: Callable[[str], None] = print,
     run: bool = True,
+    start_cache: str | os.PathLike | None = None,
 ) -> StudyOutputs:
     """Run what is missing of ``spec`` into ``output_dir``; write ``study.md`` and ``study.png`` there.
 
     ``model`` is a builder (`TinyModel`, `PretrainedModel` or your own callable) or a checkpoint id.
     ``run=False`` builds and runs nothing: the table and plot cover the finished runs, and
     ``study.md`` lists the missing ones (for a study cut short where its hardware was).
+    ``start_cache``: a folder where each seed's warm-started model is saved by the first process that
+    builds it and loaded by the others (`start_cache.py`), so parallel processes share its bits.
     """
     from jetrl_trainer.tasks import get_task
 
     from .plot import plot_study
+    from .start_cache import cached_start
     from .summary import load_runs, mixed_start_seeds, write_table
 
     builder = PretrainedModel(model) if isinstance(model, str) else model
@@ -74,8 +78,13 @@ def run_study(
         if not pending:
             continue
         log(f"seed {seed}: building the model ({identity['model']['builder'].rsplit('.', 1)[-1]})")
-        base, tokenizer = builder(seed=seed, task=task, max_completion_length=spec.completion_length(),
-                                  sft_dataset=data.sft)  # fmt: skip
+        def build(b, seed=seed):
+            return b(seed=seed, task=task, max_completion_length=spec.completion_length(), sft_dataset=data.sft)
+
+        if start_cache is None:
+            base, tokenizer = build(builder)
+        else:
+            base, tokenizer = cached_start(builder, spec, seed, start_cache, build, weights_fingerprint)
         start = weights_fingerprint(base)
         for strategy in pending:
             _run_one(spec, strategy, seed, base, tokenizer, task, data, output_dir, identity, progress, start)
@@ -88,7 +97,8 @@ def run_study(
     runs = load_runs(output_dir, spec)
     for seed in mixed_start_seeds(runs):
         log(f"warning: seed {seed}'s rebuilt start differs from the one its finished runs began with (a GPU "
-            "warm start is not bit-reproducible); study.md marks the seed. Run a seed in one call to avoid it.")
+            "warm start is not bit-reproducible); study.md marks the seed. Run a seed in one process, or let its "
+            "processes share a start_cache, to avoid it.")
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     write_table(runs, out / "study.md", spec, identity["model"], missing=missing)

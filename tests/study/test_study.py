@@ -310,3 +310,66 @@ def test_a_checkpoint_folder_is_loaded_as_it_is(tmp_path, one_thread):
     assert out.ran == ("bf16/fp8 seed 0",) and len(rows) == 1 and rows[0]["mismatch/logp_abs_diff_mean"] > 0
     assert result["model"] == {"builder": "jetrl_trainer.study.models.PretrainedModel",
                                "model_id": str(tmp_path / "ckpt"), "dtype": "bfloat16"}  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------- start cache
+
+
+def test_a_start_cache_builds_each_seeds_start_once_and_loads_it_bit_for_bit(tmp_path, monkeypatch, one_thread):
+    """Two threads (as two processes would) ask for seed 0's start at once: one warm-starts and saves it,
+    the other waits on the lock and loads it; both hold the same bits, which equal an uncached build's.
+    Another learning rate shares the start; another warm-start length does not."""
+    import dataclasses
+    import threading
+
+    import torch
+
+    from jetrl_trainer import tiny
+    from jetrl_trainer.study.runner import weights_fingerprint
+    from jetrl_trainer.study.start_cache import cached_start, start_key
+    from jetrl_trainer.tasks import get_task
+
+    warm_starts = []
+    real = tiny.warm_start
+    monkeypatch.setattr(tiny, "warm_start", lambda *a, **k: warm_starts.append(k["seed"]) or real(*a, **k))
+    spec = StudySpec(task="arithmetic", strategies=("bf16/bf16",), seeds=(0,), steps=1, sft_examples=64)
+    builder = TinyModel("qwen3", warm_start_steps=3, warm_start_batch_size=4)
+    task = get_task(spec.task)
+    sft = task.make_dataset(64, seed=0)
+
+    def build(b):
+        return b(seed=0, task=task, max_completion_length=spec.completion_length(), sft_dataset=sft)
+
+    starts = []
+    threads = [threading.Thread(target=lambda: starts.append(
+        cached_start(builder, spec, 0, tmp_path, build, weights_fingerprint)[0])) for _ in range(2)]  # fmt: skip
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(warm_starts) == 1 and len(starts) == 2
+    reference = build(builder)[0]
+    assert {weights_fingerprint(m) for m in starts} == {weights_fingerprint(reference)}
+    assert all(torch.equal(a, b) for a, b in zip(starts[1].state_dict().values(), reference.state_dict().values()))
+    assert start_key(builder, dataclasses.replace(spec, learning_rate=1e-6)) == start_key(builder, spec)
+    assert start_key(dataclasses.replace(builder, warm_start_steps=4), spec) != start_key(builder, spec)
+
+
+def test_a_start_cache_refuses_a_builder_it_cannot_rebuild(tmp_path):
+    from jetrl_trainer.study.start_cache import cached_start
+
+    spec = StudySpec(task="arithmetic", strategies=("bf16/bf16",), seeds=(0,), steps=1)
+    with pytest.raises(ValueError, match="start_cache rebuilds a TinyModel"):
+        cached_start(lambda **_: None, spec, 0, tmp_path, lambda b: b(), str)
+
+
+def test_processes_sharing_a_start_cache_record_the_same_start(tmp_path, one_thread):
+    """The CLI's --start_cache: two studies of one seed in separate output folders (as parallel processes
+    would run them) begin from the same weights, the second without a warm start of its own."""
+    cli = _script_module()
+    args = [*FAST_ARGS, "--steps", "1", "--start_cache", str(tmp_path / "starts")]
+    assert cli.main([*args, "--output_dir", str(tmp_path / "a"), "--strategies", "bf16/bf16"]) == 0
+    assert cli.main([*args, "--output_dir", str(tmp_path / "b"), "--strategies", "fp8/fp8"]) == 0
+    first = _read(tmp_path / "a" / "bf16-bf16" / "seed0")[1]["start_fingerprint"]
+    assert _read(tmp_path / "b" / "fp8-fp8" / "seed0")[1]["start_fingerprint"] == first
+    assert len(list((tmp_path / "starts").glob("*/seed0/start.json"))) == 1
