@@ -14,6 +14,7 @@ finished runs used, the study says so (in the log and in ``study.md``) instead o
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 import json
 import os
@@ -78,9 +79,7 @@ def run_study(
         if not pending:
             continue
         log(f"seed {seed}: building the model ({identity['model']['builder'].rsplit('.', 1)[-1]})")
-        def build(b, seed=seed):
-            return b(seed=seed, task=task, max_completion_length=spec.completion_length(), sft_dataset=data.sft)
-
+        build = functools.partial(_call_builder, seed=seed, task=task, spec=spec, data=data)
         if start_cache is None:
             base, tokenizer = build(builder)
         else:
@@ -104,6 +103,10 @@ def run_study(
     write_table(runs, out / "study.md", spec, identity["model"], missing=missing)
     plot_study(runs, out / "study.png", spec)
     return StudyOutputs(out / "study.md", out / "study.png", tuple(ran), tuple(skipped))
+
+
+def _call_builder(builder: ModelBuilder, *, seed: int, task: Any, spec: StudySpec, data: StudyData) -> tuple[Any, Any]:
+    return builder(seed=seed, task=task, max_completion_length=spec.completion_length(), sft_dataset=data.sft)
 
 
 def _finished(output_dir, strategy: Strategy, seed: int, identity: dict[str, Any]) -> bool:

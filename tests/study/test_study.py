@@ -373,3 +373,42 @@ def test_processes_sharing_a_start_cache_record_the_same_start(tmp_path, one_thr
     first = _read(tmp_path / "a" / "bf16-bf16" / "seed0")[1]["start_fingerprint"]
     assert _read(tmp_path / "b" / "fp8-fp8" / "seed0")[1]["start_fingerprint"] == first
     assert len(list((tmp_path / "starts").glob("*/seed0/start.json"))) == 1
+
+
+# ---------------------------------------------------------------------------------- sweep report
+
+
+def _fake_run(folder: Path, lr: float, rewards: list[float], before: float, after: float) -> None:
+    from jetrl_trainer.study._files import write_run
+
+    rows = [{"step": i + 1, "reward": r, "completions/mean_length": 200.0 + i, "time/step_s": 1.0 + i % 2}
+            for i, r in enumerate(rewards)]  # fmt: skip
+    settings = {"learning_rate": lr, "temperature": 0.7, "prompts_per_step": 8, "steps": len(rewards)}
+    write_run(folder / "bf16-bf16" / "seed0", rows, {
+        "strategy": "bf16/bf16", "seed": 0, "settings": settings, "rows": len(rows),
+        "eval_before": {"accuracy": before, "reward": 0.0, "n": 256}, "eval_after": {"accuracy": after, "reward": 0.0, "n": 256},
+    })  # fmt: skip
+
+
+def test_the_sweep_report_computes_every_figure_from_the_runs_files(tmp_path, capsys):
+    _fake_run(tmp_path / "lr1e-6", 1e-6, [0.1, 0.2, 0.3, 0.4], before=0.40, after=0.45)
+    _fake_run(tmp_path / "lr5e-6", 5e-6, [0.5, 0.1, 0.1, 0.1], before=0.40, after=0.30)
+    (tmp_path / "lr5e-6" / "fp8-fp8" / "seed0").mkdir(parents=True)  # unfinished: no result.json, not listed
+    spec = importlib.util.spec_from_file_location("sweep_report", SCRIPT.parent / "sweep_report.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    out = tmp_path / "report" / "lr"
+    assert cli.main([str(tmp_path / "lr1e-6"), str(tmp_path / "lr5e-6"), "--out", str(out), "--window", "2"]) == 0
+    figures = json.loads(out.with_suffix(".json").read_text())
+    assert [f["folder"] for f in figures] == ["lr1e-6", "lr5e-6"]
+    first = figures[0]
+    assert first["settings"] == {"learning_rate": 1e-6, "temperature": 0.7, "prompts_per_step": 8, "steps": 4}
+    assert first["reward_first"] == pytest.approx(0.15) and first["reward_last"] == pytest.approx(0.35)
+    assert first["mean_completion_tokens"] == pytest.approx(201.5) and first["seconds_per_step"] == 1.5
+    assert (first["accuracy_before"], first["accuracy_after"], first["eval_prompts"]) == (0.40, 0.45, 256)
+    table = out.with_suffix(".md").read_text()
+    assert "| lr1e-6 | `bf16/bf16` | 0 | 1e-06 | 0.7 | 8 × 4 | 40.0% → **45.0%** (n=256) | 0.150 → 0.350 | 202 | 1.50 |" in table
+    assert "40.0% → **30.0%**" in table and table in capsys.readouterr().out
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(SystemExit, match="holds no finished run"):
+        cli.main([str(tmp_path / "report"), "--out", str(out)])
