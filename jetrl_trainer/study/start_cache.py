@@ -48,8 +48,9 @@ def cached_start(builder: Any, spec: StudySpec, seed: int, cache_dir: str | os.P
     if isinstance(builder, PretrainedModel):
         return build(builder)
     if not isinstance(builder, TinyModel):
+        kind = describe_builder(builder)["builder"]
         raise ValueError("start_cache rebuilds a TinyModel's architecture and loads its saved warm start; this "
-                         f"builder is {describe_builder(builder)['builder']}. Leave start_cache unset for it.")  # fmt: skip
+                         f"builder is {kind}. Leave start_cache unset for it.")  # fmt: skip
     folder = Path(cache_dir) / start_key(builder, spec) / f"seed{seed}"
     folder.parent.mkdir(parents=True, exist_ok=True)
     with _locked(folder.parent / f"seed{seed}.lock"):

@@ -62,15 +62,17 @@ def load_sweep(folders: Sequence[str | os.PathLike], window: int = 30) -> list[S
                 settings={k: result["settings"].get(k) for k in SWEPT},
                 accuracy_before=result["eval_before"]["accuracy"], accuracy_after=result["eval_after"]["accuracy"],
                 eval_prompts=result["eval_after"]["n"], reward_first=statistics.fmean(head),
-                reward_last=statistics.fmean(tail), mean_completion_tokens=statistics.fmean(lengths) if lengths else 0.0,
+                reward_last=statistics.fmean(tail),
+                mean_completion_tokens=statistics.fmean(lengths) if lengths else 0.0,
                 seconds_per_step=statistics.median(r["time/step_s"] for r in rows), rewards=rewards,
             ))  # fmt: skip
     return runs
 
 
 def _table(runs: list[SweepRun], window: int) -> str:
-    lines = [f"| run | strategy | seed | learning rate | temperature | prompts × steps | held-out accuracy before → after "
-             f"| training reward, first → last {window} steps | completion tokens | s / step |",
+    lines = [f"| run | strategy | seed | learning rate | temperature | prompts × steps "
+             f"| held-out accuracy before → after | training reward, first → last {window} steps "
+             "| completion tokens | s / step |",
              "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in runs:
         s = r.settings

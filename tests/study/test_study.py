@@ -386,7 +386,8 @@ def _fake_run(folder: Path, lr: float, rewards: list[float], before: float, afte
     settings = {"learning_rate": lr, "temperature": 0.7, "prompts_per_step": 8, "steps": len(rewards)}
     write_run(folder / "bf16-bf16" / "seed0", rows, {
         "strategy": "bf16/bf16", "seed": 0, "settings": settings, "rows": len(rows),
-        "eval_before": {"accuracy": before, "reward": 0.0, "n": 256}, "eval_after": {"accuracy": after, "reward": 0.0, "n": 256},
+        "eval_before": {"accuracy": before, "reward": 0.0, "n": 256},
+        "eval_after": {"accuracy": after, "reward": 0.0, "n": 256},
     })  # fmt: skip
 
 
@@ -407,7 +408,8 @@ def test_the_sweep_report_computes_every_figure_from_the_runs_files(tmp_path, ca
     assert first["mean_completion_tokens"] == pytest.approx(201.5) and first["seconds_per_step"] == 1.5
     assert (first["accuracy_before"], first["accuracy_after"], first["eval_prompts"]) == (0.40, 0.45, 256)
     table = out.with_suffix(".md").read_text()
-    assert "| lr1e-6 | `bf16/bf16` | 0 | 1e-06 | 0.7 | 8 × 4 | 40.0% → **45.0%** (n=256) | 0.150 → 0.350 | 202 | 1.50 |" in table
+    row = "| lr1e-6 | `bf16/bf16` | 0 | 1e-06 | 0.7 | 8 × 4 | 40.0% → **45.0%** (n=256) | 0.150 → 0.350 | 202 | 1.50 |"
+    assert row in table
     assert "40.0% → **30.0%**" in table and table in capsys.readouterr().out
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(SystemExit, match="holds no finished run"):
