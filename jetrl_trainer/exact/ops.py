@@ -264,8 +264,14 @@ def _attention_settings(q: Tensor) -> ExactAttentionSettings:
     device = q.device.type
     autocast_bf16 = torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == torch.bfloat16
     if ATTENTION.dot == "auto" and autocast_bf16 and _triton_attention().uses_tensor_cores(ATTENTION, torch.bfloat16):
-        return dataclasses.replace(ATTENTION, dot="bf16")
+        return _with_bf16_dot(ATTENTION)
     return ATTENTION
+
+
+@functools.lru_cache(maxsize=4)
+def _with_bf16_dot(settings: ExactAttentionSettings) -> ExactAttentionSettings:
+    """One object per settings, not a new one per attention call (a decode step makes one per layer)."""
+    return dataclasses.replace(settings, dot="bf16")
 
 
 def _triton_attention():

@@ -27,8 +27,8 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFL
 FAST_ARGS = ("--fast", "--num_threads", "1")
 
 
-def _script_module():
-    spec = importlib.util.spec_from_file_location("compare_strategies", SCRIPT)
+def _script_module(script: Path = SCRIPT):
+    spec = importlib.util.spec_from_file_location(script.stem, script)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses resolve the module's annotations through sys.modules
     spec.loader.exec_module(module)
@@ -395,9 +395,7 @@ def test_the_sweep_report_computes_every_figure_from_the_runs_files(tmp_path, ca
     _fake_run(tmp_path / "lr1e-6", 1e-6, [0.1, 0.2, 0.3, 0.4], before=0.40, after=0.45)
     _fake_run(tmp_path / "lr5e-6", 5e-6, [0.5, 0.1, 0.1, 0.1], before=0.40, after=0.30)
     (tmp_path / "lr5e-6" / "fp8-fp8" / "seed0").mkdir(parents=True)  # unfinished: no result.json, not listed
-    spec = importlib.util.spec_from_file_location("sweep_report", SCRIPT.parent / "sweep_report.py")
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
+    cli = _script_module(SCRIPT.parent / "sweep_report.py")
     out = tmp_path / "report" / "lr"
     assert cli.main([str(tmp_path / "lr1e-6"), str(tmp_path / "lr5e-6"), "--out", str(out), "--window", "2"]) == 0
     figures = json.loads(out.with_suffix(".json").read_text())
