@@ -5,7 +5,8 @@ Every GEMM of the exact decode and the exact training forward on CUDA is
 head) and row count (``--rows``: 64, a decode step of 64 sequences; 12288, a training micro-batch of
 16 sequences of 768 positions), microseconds per call (median) for cuBLAS (``torch.matmul``), the
 shipped ``InvariantMatmulSettings`` as the exact ops launch it (its K chunks spread over programs
-where the tiles alone leave SMs idle), the same with every chunk summed in program, and each
+where the tiles alone leave SMs idle; the wide tile from ``wide_from_rows`` rows; ``wide_from_rows=0``
+as a candidate times the narrow tile alone), the same with every chunk summed in program, and each
 ``--candidates`` setting (``field=value`` pairs joined by ``,``; candidates by ``;``), so one GPU
 call can pick the settings. Each invariant figure comes with its ratio to cuBLAS.
 
