@@ -136,7 +136,7 @@ class QuantKernelSettings:
 @dataclass(frozen=True)
 class TritonGemmSettings:
     """The portable Triton FP8 GEMM (``kernels/triton_gemm.py``) above 64 rows; it sums each 128-wide
-    K group in one tile whatever the tiles, so none of these changes a bit. (At decode-sized M a fixed
+    K group in one tile whatever the tiles, so none of the tile fields changes a bit. (At decode-sized M a fixed
     rule picks narrow N tiles: that GEMM is bound by reading the weight.)
 
     ``benchmarks/tune_quant_kernels.py gemm`` times a few of these on the GPU at hand.
@@ -145,6 +145,9 @@ class TritonGemmSettings:
         block_m, block_n: the output tile.
         group_m: M tiles launched next to each other, so that they share weight tiles in L2.
         num_warps, num_stages: Triton launch parameters.
+        split_k_groups: the 128-wide K groups are summed in chunks of this many, each from zero, the
+            chunks added in order (the split plan, fixed by K; it changes the bits, alike at every M).
+            A decode-sized launch with fewer tiles than SMs runs the chunks in separate programs.
     """
 
     block_m: int = 128
@@ -152,9 +155,10 @@ class TritonGemmSettings:
     group_m: int = 8
     num_warps: int = 8
     num_stages: int = 4
+    split_k_groups: int = 16
 
     def __post_init__(self) -> None:
-        _positive(self, "block_m", "block_n", "group_m", "num_warps", "num_stages")
+        _positive(self, "block_m", "block_n", "group_m", "num_warps", "num_stages", "split_k_groups")
 
 
 @dataclass(frozen=True)

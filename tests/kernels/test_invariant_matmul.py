@@ -96,14 +96,18 @@ def test_a_decode_steps_spread_chunks_keep_the_training_forwards_bits(dtype, k, 
 
 
 @pytest.mark.gpu
-def test_the_fp8_triton_gemm_keeps_a_rows_bits_across_m():
+@pytest.mark.parametrize("k", [4096, 12288])
+def test_the_fp8_triton_gemm_keeps_a_rows_bits_across_m(k):
+    """Across its 64-row config switch, and with its K chunks (16 groups: 2 and 6 of them) spread over
+    programs at decode rows and added in program at 300."""
     from jetrl_trainer.kernels import fp8_gemm_nt
     from jetrl_trainer.quant.fp8 import quantize_fp8_blocks, quantize_fp8_groups
 
-    x = _rand(300, 4096, dtype=torch.bfloat16, device="cuda")
-    w = _rand(1024, 4096, dtype=torch.bfloat16, device="cuda", seed=1)
+    x = _rand(300, k, dtype=torch.bfloat16, device="cuda")
+    w = _rand(1024, k, dtype=torch.bfloat16, device="cuda", seed=1)
     wq = quantize_fp8_blocks(w)
     full = fp8_gemm_nt(quantize_fp8_groups(x), wq, out_dtype=torch.bfloat16, backend="triton")
     for rows in (1, 7, 64, 65, 200):
         assert torch.equal(fp8_gemm_nt(quantize_fp8_groups(x[:rows]), wq, out_dtype=torch.bfloat16, backend="triton"),
                            full[:rows]), rows  # fmt: skip
+
