@@ -110,4 +110,3 @@ def test_the_fp8_triton_gemm_keeps_a_rows_bits_across_m(k):
     for rows in (1, 7, 64, 65, 200):
         assert torch.equal(fp8_gemm_nt(quantize_fp8_groups(x[:rows]), wq, out_dtype=torch.bfloat16, backend="triton"),
                            full[:rows]), rows  # fmt: skip
-
