@@ -1,9 +1,9 @@
 """``@triton.jit`` batch-invariant matmul (imported only when Triton is present).
 
-``C[g] = A[g] @ B[g]`` with one fixed tile shape: every output element is summed over K in chunks of
-``CHUNK`` (a multiple of ``BLOCK_K``), each chunk from zero in ``BLOCK_K`` steps, in order, and the
-chunks' sums added to a zero total in order, by the same instruction sequence whatever M is, where
-its row sits in a tile, and whatever the other rows hold. ``SPREAD=False``: one program walks every
+``C[g] = A[g] @ B[g]``: every output element is summed over K in chunks of ``CHUNK`` (a multiple of
+``BLOCK_K``), each chunk from zero in ``BLOCK_K`` steps, in order, and the chunks' sums added to a zero
+total in order, the same sum whatever M is, where its row sits in a tile, how wide the tile is
+(the launcher picks it by row count), and whatever the other rows hold. ``SPREAD=False``: one program walks every
 chunk of its tile; ``SPREAD=True``: program ``(.., .., g * chunks + c)`` sums chunk ``c`` alone and
 stores it in FP32 to ``c_ptr`` (``(chunks, G, M, N)``), and the caller adds the chunks in the same
 order (`triton_invariant_matmul.py`), so both give the same bits. ``M`` is not specialized on

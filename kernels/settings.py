@@ -136,7 +136,7 @@ class QuantKernelSettings:
 @dataclass(frozen=True)
 class TritonGemmSettings:
     """The portable Triton FP8 GEMM (``kernels/triton_gemm.py``) above 64 rows; it sums each 128-wide
-    K group in one tile whatever the tiles, so none of these changes a bit. (At decode-sized M a fixed
+    K group in one tile whatever the tiles, so none of the tile fields changes a bit. (At decode-sized M a fixed
     rule picks narrow N tiles: that GEMM is bound by reading the weight.)
 
     ``benchmarks/tune_quant_kernels.py gemm`` times a few of these on the GPU at hand.
@@ -145,6 +145,9 @@ class TritonGemmSettings:
         block_m, block_n: the output tile.
         group_m: M tiles launched next to each other, so that they share weight tiles in L2.
         num_warps, num_stages: Triton launch parameters.
+        split_k_groups: the 128-wide K groups are summed in chunks of this many, each from zero, the
+            chunks added in order (the split plan, fixed by K; it changes the bits, alike at every M).
+            A decode-sized launch with fewer tiles than SMs runs the chunks in separate programs.
     """
 
     block_m: int = 128
@@ -152,9 +155,10 @@ class TritonGemmSettings:
     group_m: int = 8
     num_warps: int = 8
     num_stages: int = 4
+    split_k_groups: int = 16
 
     def __post_init__(self) -> None:
-        _positive(self, "block_m", "block_n", "group_m", "num_warps", "num_stages")
+        _positive(self, "block_m", "block_n", "group_m", "num_warps", "num_stages", "split_k_groups")
 
 
 @dataclass(frozen=True)
@@ -202,6 +206,13 @@ class InvariantMatmulSettings:
             in order (a multiple of both K steps): the split plan, fixed by K alone. A launch with
             fewer tiles than the GPU has SMs (a decode step) runs the chunks in separate programs.
         num_warps, num_stages: Triton launch parameters.
+        wide_from_rows: launches of at least this many rows (a prefill, a training forward) with
+            BF16/FP16 operands take the wide tile below, which runs closer to cuBLAS there; 0 keeps
+            the one tile everywhere. The
+            K step and chunks stay the same, so each output is the same sum in the same order:
+            whether the tensor cores also give it the same bits at either tile size is what the GPU
+            test checks (tests/kernels/test_invariant_matmul.py).
+        wide_block_m, wide_block_n, wide_num_warps: that tile and its warps.
     """
 
     block_m: int = 64
@@ -211,9 +222,16 @@ class InvariantMatmulSettings:
     split_k: int = 2048
     num_warps: int = 4
     num_stages: int = 3
+    wide_from_rows: int = 256
+    wide_block_m: int = 128
+    wide_block_n: int = 128
+    wide_num_warps: int = 4
 
     def __post_init__(self) -> None:
-        _positive(self, "block_m", "block_n", "block_k", "block_k_fp32", "split_k", "num_warps", "num_stages")
+        _positive(self, "block_m", "block_n", "block_k", "block_k_fp32", "split_k", "num_warps", "num_stages",
+                  "wide_block_m", "wide_block_n", "wide_num_warps")  # fmt: skip
+        if self.wide_from_rows < 0:
+            raise ValueError(f"InvariantMatmulSettings.wide_from_rows must be >= 0 (0: never); got {self.wide_from_rows}.")
         if self.split_k % self.block_k or self.split_k % self.block_k_fp32:
             raise ValueError(f"InvariantMatmulSettings.split_k ({self.split_k}) must be a multiple of block_k "
                              f"({self.block_k}) and block_k_fp32 ({self.block_k_fp32}).")

@@ -9,7 +9,10 @@ any strides. Ragged M, N, K need no padding (masked loads). Tile sizes come from
 autotuning, which would time kernels (host syncs) on the first call and break CUDA-graph capture.
 
 Departure from a textbook FP8 GEMM: each 128-wide K group is accumulated into a fresh tile and
-scaled before it joins the FP32 accumulator (blockwise scaling needs it; see the jit module).
+scaled before it joins the FP32 accumulator (blockwise scaling needs it; see the jit module). The
+groups are summed in chunks fixed by K (``TritonGemmSettings.split_k_groups``); a launch with fewer
+tiles than SMs spreads the chunks over programs and adds them here, in the order a program would:
+the exact mode's FP8 layers get a row's bits at any M, and a decode step fills the GPU.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from jetrl_trainer._choices import FLOAT_DTYPES, check_choice
-from jetrl_trainer.kernels._triton_support import call_op, cdiv, load_jit, triton_available
+from jetrl_trainer.kernels._triton_support import call_op, cdiv, load_jit, sm_count, triton_available
 from jetrl_trainer.kernels.gemm import register_gemm_backend
 from jetrl_trainer.kernels.settings import TritonGemmSettings
 
@@ -52,6 +55,7 @@ def _gemm_op(
     a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: torch.Tensor, b_block: bool, out_dtype: torch.dtype,
     block_m: int = _DEFAULT.block_m, block_n: int = _DEFAULT.block_n, group_m: int = _DEFAULT.group_m,
     num_warps: int = _DEFAULT.num_warps, num_stages: int = _DEFAULT.num_stages,
+    split_k_groups: int = _DEFAULT.split_k_groups,
 ) -> torch.Tensor:
     jit = load_jit("_triton_gemm_jit")
     m, k = a_q.shape
@@ -62,12 +66,22 @@ def _gemm_op(
     if k == 0:
         return out.zero_()
     cfg = _config(m, n, (block_m, block_n, group_m, num_warps, num_stages))
-    grid = (cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"]),)
-    jit.fp8_gemm_nt_kernel[grid](
-        a_q, b_q, out, a_s, b_s, m, n, k,
-        a_q.stride(0), b_q.stride(0), out.stride(0), a_s.stride(0), a_s.stride(1), b_s.stride(0), b_s.stride(1),
-        B_BLOCK=b_block, BLOCK_K=128, **cfg,
-    )
+    tiles = cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"])
+    chunks = cdiv(cdiv(k, 128), split_k_groups)
+    # Decode-sized launches leave SMs idle: spread the K chunks over programs (the same bits, see the jit module).
+    spread = chunks > 1 and tiles < sm_count(a_q.device)
+    partials = torch.empty((chunks, m, n), dtype=torch.float32, device=a_q.device) if spread else out
+    jit.fp8_gemm_nt_kernel[(tiles, chunks if spread else 1)](
+        a_q, b_q, partials, a_s, b_s, m, n, k,
+        a_q.stride(0), b_q.stride(0), partials.stride(0) if spread else 0, partials.stride(-2), a_s.stride(0),
+        a_s.stride(1), b_s.stride(0), b_s.stride(1),
+        B_BLOCK=b_block, BLOCK_K=128, CHUNK_GROUPS=split_k_groups, SPREAD=spread, **cfg,
+    )  # fmt: skip
+    if spread:  # the chunks added to a zero total in order, as a program adds its own; one rounding at the end
+        total = torch.zeros_like(partials[0])
+        for chunk in partials:
+            total += chunk
+        out.copy_(total)
     return out
 
 
@@ -93,7 +107,7 @@ def triton_fp8_gemm_nt(
     b_q = b_q if b_q.stride(-1) == 1 else b_q.contiguous()
     s = settings
     return call_op(_gemm_op, a_q, a_s, b_q, b_s, b_granularity == "block", out_dtype,
-                   s.block_m, s.block_n, s.group_m, s.num_warps, s.num_stages)  # fmt: skip
+                   s.block_m, s.block_n, s.group_m, s.num_warps, s.num_stages, s.split_k_groups)  # fmt: skip
 
 
 register_gemm_backend("triton", triton_fp8_gemm_nt, is_available=triton_gemm_available, priority=10)

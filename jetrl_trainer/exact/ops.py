@@ -71,23 +71,6 @@ def row_invariant_matmul(a: Tensor, b: Tensor) -> Tensor:
     return _InvariantMatmul.apply(a, b)
 
 
-class _InvariantMatmul(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, a: Tensor, b: Tensor) -> Tensor:
-        ctx.save_for_backward(a, b)
-        return _invariant_matmul(a, b)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
-        a, b = ctx.saved_tensors
-        grad_a = grad_b = None
-        if ctx.needs_input_grad[0]:
-            grad_a = (grad @ b.mT.to(grad.dtype)).sum_to_size(a.shape).to(a.dtype)
-        if ctx.needs_input_grad[1]:
-            grad_b = (a.mT.to(grad.dtype) @ grad).sum_to_size(b.shape).to(b.dtype)
-        return grad_a, grad_b
-
-
 def _plain_torch(fn):
     """Run ``fn`` with torch's function handling off: these ops call the invariant products themselves, and
     under `ExactOps` each torch call inside would pass through the mode's handler again, a product being
@@ -99,6 +82,25 @@ def _plain_torch(fn):
             return fn(*args, **kwargs)
 
     return plain
+
+
+class _InvariantMatmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a: Tensor, b: Tensor) -> Tensor:
+        ctx.save_for_backward(a, b)
+        return _invariant_matmul(a, b)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
+        a, b = ctx.saved_tensors  # under the mode: unpacking may recompute a checkpointed forward
+        return _matmul_grads(a, b, grad, *ctx.needs_input_grad)
+
+
+@_plain_torch  # the mode is on while autograd runs (`_backward_in_mode`): cuBLAS's products here, not ours
+def _matmul_grads(a: Tensor, b: Tensor, grad: Tensor, grad_a: bool, grad_b: bool) -> tuple[Tensor | None, Tensor | None]:
+    da = (grad @ b.mT.to(grad.dtype)).sum_to_size(a.shape).to(a.dtype) if grad_a else None
+    db = (a.mT.to(grad.dtype) @ grad).sum_to_size(b.shape).to(b.dtype) if grad_b else None
+    return da, db
 
 
 @_plain_torch

@@ -24,3 +24,11 @@ def test_every_variant_is_timed():
     case = result["cases"][0]
     assert {"cublas", "shipped", "shipped_in_program", "split_k=1024"} <= set(case)
     assert all(case[name]["us"] > 0 for name in ("cublas", "shipped", "shipped_in_program", "split_k=1024"))
+
+
+@pytest.mark.gpu
+def test_every_fp8_variant_is_timed():
+    result = bench.main(["--rows", "64", "--shapes", "down", "--fp8", "--candidates", "split_k_groups=8"])
+    case = result["cases"][0]
+    names = ("cublas_bf16", "scaled_mm", "shipped", "one_chunk", "split_k_groups=8")
+    assert set(names) <= set(case) and all(case[name]["us"] > 0 for name in names)

@@ -118,6 +118,52 @@ def test_the_mode_routes_linear_matmul_sdpa_and_the_norm_mean():
     assert torch.equal(wide, x.double() @ weight.double().T)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_backward_multiplies_with_torchs_products_not_the_invariant_ones(device, monkeypatch):
+    """The mode stays on while autograd runs (gradient checkpointing recomputes the forward there), but a
+    gradient need not be exact: the linear's dgrad and wgrad are plain matmuls (cuBLAS on CUDA, where
+    the invariant kernel takes 2.3-2.9x its time at training sizes), and equal autograd's own."""
+    from jetrl_trainer.exact import ops
+
+    calls = []
+    invariant = ops._invariant_matmul
+    monkeypatch.setattr(ops, "_invariant_matmul", lambda a, b: calls.append(a.shape) or invariant(a, b))
+    x = _rand(24, 64, dtype=torch.bfloat16, device=device).requires_grad_()
+    weight = _rand(32, 64, dtype=torch.bfloat16, device=device, seed=1).requires_grad_()
+    grad_out = _rand(24, 32, dtype=torch.bfloat16, device=device, seed=2)
+    with ExactOps.entered():
+        out = F.linear(x, weight)
+        assert len(calls) == 1  # the forward's product is the invariant one
+        (out.float() * grad_out.float()).sum().backward()
+    assert len(calls) == 1
+    assert torch.equal(x.grad, grad_out @ weight.detach())
+    assert torch.equal(weight.grad, grad_out.T @ x.detach())
+
+
+def test_a_checkpointed_linear_recomputes_its_forward_with_the_invariant_product(monkeypatch):
+    """Non-reentrant checkpointing recomputes the forward when the backward unpacks its saved tensors:
+    that recomputation must run the exact ops (it saves what the forward saved), though the gradient's
+    own products are plain."""
+    from torch.utils.checkpoint import checkpoint
+
+    from jetrl_trainer.exact import ops
+
+    calls = []
+    invariant = ops._invariant_matmul
+    monkeypatch.setattr(ops, "_invariant_matmul", lambda a, b: calls.append(a.shape) or invariant(a, b))
+    x = _rand(24, 64, dtype=torch.bfloat16).requires_grad_()
+    weight = _rand(32, 64, dtype=torch.bfloat16, seed=1).requires_grad_()
+    with ExactOps.entered():
+        out = checkpoint(lambda t: F.linear(t, weight).float().square(), x, use_reentrant=False)
+        out.sum().backward()
+    assert len(calls) == 2  # the forward and its recomputation; not the gradient's two products
+    grads = x.grad, weight.grad
+    x.grad = weight.grad = None
+    with ExactOps.entered():
+        F.linear(x, weight).float().square().sum().backward()
+    assert torch.equal(grads[0], x.grad) and torch.equal(grads[1], weight.grad)
+
+
 def test_entered_nests_without_stacking_a_second_mode():
     with ExactOps.entered():
         assert ExactOps.active()

@@ -1,8 +1,10 @@
 """The batch-invariant matmul kernel (`kernels/triton_invariant_matmul.py`, used by `jetrl_trainer.exact` on CUDA).
 
-In the interpreter: it computes ``a @ b`` for ragged shapes and strided / broadcast operands. On sm_90:
-it compiles, with wgmma for BF16. On the GPU: a row's bits are the same alone, among other rows, and
-in another batch, for BF16 and FP32 (where cuBLAS's batched products were not), and the FP8 Triton
+In the interpreter: it computes ``a @ b`` for ragged shapes and strided / broadcast operands, and its
+launch modes (chunks spread or in program, narrow or wide tiles) agree bit for bit. On sm_90: it
+compiles, with wgmma for BF16, at both tiles. On the GPU: a row's bits are the same alone, among other
+rows (across the wide-tile switch), and in another batch, for BF16 and FP32 (where cuBLAS's batched
+products were not), and the FP8 Triton
 GEMM the exact mode uses for FP8 layers keeps a row's bits across M, across its 64-row config switch.
 """
 
@@ -43,6 +45,34 @@ def test_spread_chunks_give_the_bits_of_chunks_summed_in_program(k):
         assert torch.equal(invariant_matmul(a[:, :rows], b, settings, spread=True), in_program[:, :rows])
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("spread", [False, True])
+def test_a_wide_tile_gives_the_bits_of_a_narrow_one(spread):
+    """The same sums at any tile: 37 rows in 32 x 32 tiles equal 1-37 rows in 16 x 16 ones, with K
+    in 3 chunks. FP32 operands (the interpreter's BF16 dots are not BF16's); the tensor cores'
+    rounding at either tile is the GPU test's (below)."""
+    from jetrl_trainer.kernels.settings import InvariantMatmulSettings
+    from jetrl_trainer.kernels.triton_invariant_matmul import invariant_matmul
+
+    settings = InvariantMatmulSettings(block_m=16, block_n=16, block_k_fp32=32, block_k=32, split_k=64)
+    a, b = _rand(2, 37, 150), _rand(2, 150, 40, seed=1)
+    wide = invariant_matmul(a, b, settings, spread=spread, tile=(32, 32, 4))
+    assert torch.allclose(wide, a @ b, rtol=1e-4, atol=1e-4)
+    for rows in (1, 5, 16, 17, 37):
+        assert torch.equal(invariant_matmul(a[:, :rows], b, settings, spread=spread, tile=(16, 16, 4)), wide[:, :rows])
+
+
+def test_wide_tiles_can_be_turned_off():
+    from jetrl_trainer.kernels.settings import InvariantMatmulSettings
+    from jetrl_trainer.kernels.triton_invariant_matmul import _tile
+
+    assert _tile(InvariantMatmulSettings(wide_from_rows=0), 100_000) == (64, 64, 4)
+    assert _tile(InvariantMatmulSettings(), 256) == (128, 128, 4)
+    assert _tile(InvariantMatmulSettings(), 256, ieee=True) == (64, 64, 4)  # FP32 operands stay narrow
+    with pytest.raises(ValueError, match="wide_from_rows must be >= 0"):
+        InvariantMatmulSettings(wide_from_rows=-1)
+
+
 def test_split_k_must_be_a_multiple_of_the_k_steps():
     from jetrl_trainer.kernels.settings import InvariantMatmulSettings
 
@@ -57,10 +87,10 @@ def test_it_compiles_for_sm90_with_wgmma():
     from jetrl_trainer.kernels._triton_invariant_matmul_jit import invariant_matmul_kernel
 
     for dtype, ieee, block_k in (("bf16", False, 64), ("fp32", True, 32)):
-        for spread in (False, True):  # the training forward's launch; a decode step's (FP32 partials)
+        for spread, tile in ((False, 128), (True, 64), (True, 128)):  # training forward's launch; decode's
             c_ptr = "*fp32" if spread else f"*{dtype}"
             ptx = compile_sm90(invariant_matmul_kernel, dict(a_ptr=f"*{dtype}", b_ptr=f"*{dtype}", c_ptr=c_ptr),
-                               dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=block_k, CHUNK=2048, IEEE=ieee, SPREAD=spread),
+                               dict(BLOCK_M=tile, BLOCK_N=tile, BLOCK_K=block_k, CHUNK=2048, IEEE=ieee, SPREAD=spread),
                                launch=dict(num_warps=4), odd=("M",))  # fmt: skip
             assert ("wgmma" in ptx) == (dtype == "bf16")
 
@@ -85,7 +115,8 @@ def test_a_row_keeps_its_bits_across_m_and_batches(dtype):
 @pytest.mark.parametrize(("k", "n"), [(4096, 1024), (12288, 4096), (4096, 151936)])
 def test_a_decode_steps_spread_chunks_keep_the_training_forwards_bits(dtype, k, n):
     """The shipped settings at Qwen3-8B's shapes: 64 decode rows with their K chunks spread over
-    programs give the rows' bits in a training forward's 700 rows, whose programs add the chunks."""
+    programs give the rows' bits in a training forward's 700 rows, whose programs add the chunks
+    in the wide tile (``wide_from_rows``)."""
     from jetrl_trainer.kernels.triton_invariant_matmul import invariant_matmul
 
     a, b = _rand(1, 700, k, dtype=dtype, device="cuda"), _rand(k, n, dtype=dtype, device="cuda", seed=1)
@@ -96,12 +127,15 @@ def test_a_decode_steps_spread_chunks_keep_the_training_forwards_bits(dtype, k, 
 
 
 @pytest.mark.gpu
-def test_the_fp8_triton_gemm_keeps_a_rows_bits_across_m():
+@pytest.mark.parametrize("k", [4096, 12288])
+def test_the_fp8_triton_gemm_keeps_a_rows_bits_across_m(k):
+    """Across its 64-row config switch, and with its K chunks (16 groups: 2 and 6 of them) spread over
+    programs at decode rows and added in program at 300."""
     from jetrl_trainer.kernels import fp8_gemm_nt
     from jetrl_trainer.quant.fp8 import quantize_fp8_blocks, quantize_fp8_groups
 
-    x = _rand(300, 4096, dtype=torch.bfloat16, device="cuda")
-    w = _rand(1024, 4096, dtype=torch.bfloat16, device="cuda", seed=1)
+    x = _rand(300, k, dtype=torch.bfloat16, device="cuda")
+    w = _rand(1024, k, dtype=torch.bfloat16, device="cuda", seed=1)
     wq = quantize_fp8_blocks(w)
     full = fp8_gemm_nt(quantize_fp8_groups(x), wq, out_dtype=torch.bfloat16, backend="triton")
     for rows in (1, 7, 64, 65, 200):

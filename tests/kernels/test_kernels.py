@@ -221,11 +221,12 @@ def test_the_other_kernels_compile():
     compile_sm90(fused.rmsnorm_backward_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", dy_ptr="*bf16", dx_ptr="*bf16",
                                                      dw_part_ptr="*fp32"),
                  dict(BLOCK_K=128, ROWS=32), floats=("k_float", "eps"), launch=dict(num_warps=8))  # fmt: skip
-    ptx = compile_sm90(gemm.fp8_gemm_nt_kernel, dict(a_ptr="*fp8e4nv", b_ptr="*fp8e4nv", c_ptr="*bf16", as_ptr="*fp32",
-                                                     bs_ptr="*fp32"),
-                       dict(B_BLOCK=True, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8),
-                       launch=dict(num_warps=8, num_stages=4))  # fmt: skip
-    assert "wgmma" in ptx
+    for spread, c, tile, group, warps in ((False, "*bf16", 128, 8, 8), (True, "*fp32", 64, 1, 4)):  # training; decode
+        ptx = compile_sm90(gemm.fp8_gemm_nt_kernel, dict(a_ptr="*fp8e4nv", b_ptr="*fp8e4nv", c_ptr=c, as_ptr="*fp32",
+                                                         bs_ptr="*fp32"),
+                           dict(B_BLOCK=True, BLOCK_M=tile, BLOCK_N=tile, BLOCK_K=128, GROUP_M=group, CHUNK_GROUPS=16,
+                                SPREAD=spread), launch=dict(num_warps=warps, num_stages=4))  # fmt: skip
+        assert "wgmma" in ptx
     for splits, qkv in ((0, "*bf16"), (3, "*fp32")):  # q/k/v as such, or a grouped GEMM's split sums
         compile_sm90(rope.rope_append_kernel, dict(q_ptr=qkv, k_ptr=qkv, v_ptr=qkv, cos_ptr="*bf16", sin_ptr="*bf16",
                                                    q_out_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16",
