@@ -23,6 +23,7 @@ from jetrl_trainer._choices import FLOAT_DTYPES, check_choice
 from jetrl_trainer.kernels._triton_support import call_op, cdiv, load_jit, sm_count, triton_available
 from jetrl_trainer.kernels.gemm import register_gemm_backend
 from jetrl_trainer.kernels.settings import TritonGemmSettings
+from jetrl_trainer.kernels.triton_chunk_sum import add_chunks
 
 __all__ = ["triton_fp8_gemm_nt", "triton_gemm_available"]
 
@@ -78,10 +79,7 @@ def _gemm_op(
         B_BLOCK=b_block, BLOCK_K=128, CHUNK_GROUPS=split_k_groups, SPREAD=spread, **cfg,
     )  # fmt: skip
     if spread:  # the chunks added to a zero total in order, as a program adds its own; one rounding at the end
-        total = torch.zeros_like(partials[0])
-        for chunk in partials:
-            total += chunk
-        out.copy_(total)
+        add_chunks(partials, out)
     return out
 
 

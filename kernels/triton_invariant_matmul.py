@@ -19,6 +19,7 @@ import torch
 
 from jetrl_trainer.kernels._triton_support import cdiv, load_jit, sm_count
 from jetrl_trainer.kernels.settings import InvariantMatmulSettings
+from jetrl_trainer.kernels.triton_chunk_sum import add_chunks
 
 __all__ = ["invariant_matmul"]
 
@@ -58,10 +59,7 @@ def invariant_matmul(a: torch.Tensor, b: torch.Tensor, settings: InvariantMatmul
         SPREAD=spread, num_warps=num_warps, num_stages=settings.num_stages,
     )  # fmt: skip
     if spread:  # the chunks added to a zero total in order, as a program adds its own; one rounding at the end
-        total = torch.zeros_like(partials[0])
-        for chunk in partials:
-            total += chunk
-        out.copy_(total)
+        add_chunks(partials, out)
     return out
 
 

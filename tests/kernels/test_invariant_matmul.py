@@ -141,3 +141,32 @@ def test_the_fp8_triton_gemm_keeps_a_rows_bits_across_m(k):
     for rows in (1, 7, 64, 65, 200):
         assert torch.equal(fp8_gemm_nt(quantize_fp8_groups(x[:rows]), wq, out_dtype=torch.bfloat16, backend="triton"),
                            full[:rows]), rows  # fmt: skip
+
+
+@pytest.mark.parametrize(("device", "dtypes"), [
+    pytest.param("cpu", (torch.float32,), marks=pytest.mark.interpreter),  # its BF16 casts do not round to nearest
+    pytest.param("cuda", (torch.float32, torch.bfloat16), marks=pytest.mark.gpu)])  # fmt: skip
+def test_add_chunks_adds_in_order_from_zero_and_rounds_once(device, dtypes):
+    """The launcher's sum of spread partials: the FP32 additions in chunk order, then one rounding."""
+    from jetrl_trainer.kernels.triton_chunk_sum import add_chunks
+
+    partials = (_rand(5, 3, 37, 41) * torch.logspace(-4, 4, 5)[:, None, None, None]).to(device)  # sums that round
+    total = torch.zeros(3, 37, 41, device=device)
+    for chunk in partials:
+        total += chunk
+    for dtype in dtypes:
+        out = add_chunks(partials, torch.empty(3, 37, 41, dtype=dtype, device=device))
+        assert torch.equal(out, total.to(dtype))
+    with pytest.raises(ValueError, match="contiguous FP32"):
+        add_chunks(partials.half(), torch.empty(3, 37, 41))
+
+
+@pytest.mark.sm90
+def test_the_chunk_sum_compiles_for_sm90():
+    from _sm90 import compile_sm90
+
+    from jetrl_trainer.kernels._triton_chunk_sum_jit import chunk_sum_kernel
+
+    for out in ("*bf16", "*fp32"):
+        assert compile_sm90(chunk_sum_kernel, dict(p_ptr="*fp32", out_ptr=out), dict(CHUNKS=6, BLOCK=1024),
+                            launch=dict(num_warps=4), odd=("numel",))  # fmt: skip
