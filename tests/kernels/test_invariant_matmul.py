@@ -67,7 +67,7 @@ def test_wide_tiles_can_be_turned_off():
     from jetrl_trainer.kernels.triton_invariant_matmul import _tile
 
     assert _tile(InvariantMatmulSettings(wide_from_rows=0), 100_000) == (64, 64, 4)
-    assert _tile(InvariantMatmulSettings(), 256) == (128, 128, 4)
+    assert _tile(InvariantMatmulSettings(), 256) == (128, 256, 8)
     assert _tile(InvariantMatmulSettings(), 256, ieee=True) == (64, 64, 4)  # FP32 operands stay narrow
     with pytest.raises(ValueError, match="wide_from_rows must be >= 0"):
         InvariantMatmulSettings(wide_from_rows=-1)
