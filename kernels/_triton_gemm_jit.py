@@ -18,8 +18,12 @@ import triton.language as tl
 
 @triton.jit
 def _chunk_sum(a_base, b_base, sa_ptrs, sb_ptrs, offs_k, first, last, K, stride_asg, stride_bsg,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
-    """The FP32 sum of groups ``first .. last - 1`` of the tile's scaled group products."""
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               ONE_B_SCALE: tl.constexpr):  # fmt: skip
+    """The FP32 sum of groups ``first .. last - 1`` of the tile's scaled group products, each
+    ``part * (sa * sb)``: the scale product first, so that a tile inside one 128-wide weight block
+    (``ONE_B_SCALE``: ``sb_ptrs`` is one pointer) multiplies ``BLOCK_M`` scales instead of a tile of
+    them, and every tile shape gives each output the same value."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for g in range(first, last):
         k_left = K - g * BLOCK_K
@@ -28,7 +32,10 @@ def _chunk_sum(a_base, b_base, sa_ptrs, sb_ptrs, offs_k, first, last, K, stride_
         sa = tl.load(sa_ptrs + g * stride_asg)
         sb = tl.load(sb_ptrs + g * stride_bsg)
         part = tl.dot(a, b)
-        acc += part * sa[:, None] * sb[None, :]
+        if ONE_B_SCALE:
+            acc += part * (sa * sb)[:, None]
+        else:
+            acc += part * (sa[:, None] * sb[None, :])
     return acc
 
 
@@ -37,7 +44,7 @@ def fp8_gemm_nt_kernel(
     a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, M, N, K,
     stride_am, stride_bn, stride_cc, stride_cm, stride_asm, stride_asg, stride_bsn, stride_bsg,
     B_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, CHUNK_GROUPS: tl.constexpr, SPREAD: tl.constexpr,
+    GROUP_M: tl.constexpr, CHUNK_GROUPS: tl.constexpr, SPREAD: tl.constexpr, ONE_B_SCALE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     grid_m = tl.cdiv(M, BLOCK_M)
@@ -58,7 +65,9 @@ def fp8_gemm_nt_kernel(
     a_base = a_ptr + rows_a[:, None] * stride_am + offs_k[None, :]
     b_base = b_ptr + rows_b[None, :] * stride_bn + offs_k[:, None]  # (BLOCK_K, BLOCK_N) view of B^T
     sa_ptrs = as_ptr + rows_a * stride_asm
-    if B_BLOCK:
+    if ONE_B_SCALE:  # 128 x 128 weight blocks, tiles no wider than one (starting at multiples of BLOCK_N)
+        sb_ptrs = bs_ptr + (pid_n * BLOCK_N // 128) * stride_bsn
+    elif B_BLOCK:
         sb_ptrs = bs_ptr + (rows_b // 128) * stride_bsn
     else:
         sb_ptrs = bs_ptr + rows_b * stride_bsn
@@ -69,13 +78,13 @@ def fp8_gemm_nt_kernel(
         c = tl.program_id(1)
         first = c * CHUNK_GROUPS
         acc = _chunk_sum(a_base, b_base, sa_ptrs, sb_ptrs, offs_k, first, tl.minimum(first + CHUNK_GROUPS, groups), K,
-                         stride_asg, stride_bsg, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+                         stride_asg, stride_bsg, BLOCK_M, BLOCK_N, BLOCK_K, ONE_B_SCALE)  # fmt: skip
         c_ptrs = c_ptr + c.to(tl.int64) * stride_cc + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
         tl.store(c_ptrs, acc, mask=out_mask)
     else:
         total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for first in range(0, groups, CHUNK_GROUPS):
             total += _chunk_sum(a_base, b_base, sa_ptrs, sb_ptrs, offs_k, first, tl.minimum(first + CHUNK_GROUPS, groups),
-                                K, stride_asg, stride_bsg, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+                                K, stride_asg, stride_bsg, BLOCK_M, BLOCK_N, BLOCK_K, ONE_B_SCALE)  # fmt: skip
         c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
         tl.store(c_ptrs, total.to(c_ptr.dtype.element_ty), mask=out_mask)

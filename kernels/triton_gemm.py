@@ -76,7 +76,8 @@ def _gemm_op(
         a_q, b_q, partials, a_s, b_s, m, n, k,
         a_q.stride(0), b_q.stride(0), partials.stride(0) if spread else 0, partials.stride(-2), a_s.stride(0),
         a_s.stride(1), b_s.stride(0), b_s.stride(1),
-        B_BLOCK=b_block, BLOCK_K=128, CHUNK_GROUPS=split_k_groups, SPREAD=spread, **cfg,
+        B_BLOCK=b_block, BLOCK_K=128, CHUNK_GROUPS=split_k_groups, SPREAD=spread,
+        ONE_B_SCALE=b_block and cfg["BLOCK_N"] <= 128, **cfg,
     )  # fmt: skip
     if spread:  # the chunks added to a zero total in order, as a program adds its own; one rounding at the end
         add_chunks(partials, out)

@@ -130,8 +130,10 @@ def test_a_decode_steps_spread_chunks_keep_the_training_forwards_bits(dtype, k, 
 @pytest.mark.parametrize("k", [4096, 12288])
 def test_the_fp8_triton_gemm_keeps_a_rows_bits_across_m(k):
     """Across its 64-row config switch, and with its K chunks (16 groups: 2 and 6 of them) spread over
-    programs at decode rows and added in program at 300."""
+    programs at decode rows and added in program at 300, and at a tile wider than a weight block."""
     from jetrl_trainer.kernels import fp8_gemm_nt
+    from jetrl_trainer.kernels.settings import TritonGemmSettings
+    from jetrl_trainer.kernels.triton_gemm import triton_fp8_gemm_nt
     from jetrl_trainer.quant.fp8 import quantize_fp8_blocks, quantize_fp8_groups
 
     x = _rand(300, k, dtype=torch.bfloat16, device="cuda")
@@ -141,6 +143,10 @@ def test_the_fp8_triton_gemm_keeps_a_rows_bits_across_m(k):
     for rows in (1, 7, 64, 65, 200):
         assert torch.equal(fp8_gemm_nt(quantize_fp8_groups(x[:rows]), wq, out_dtype=torch.bfloat16, backend="triton"),
                            full[:rows]), rows  # fmt: skip
+    # A tile wider than a weight block takes a scale per column instead of one per tile: the same products.
+    wide = triton_fp8_gemm_nt(*quantize_fp8_groups(x), *wq, "block", torch.bfloat16,
+                              settings=TritonGemmSettings(block_m=64, block_n=256))  # fmt: skip
+    assert torch.equal(wide, full)
 
 
 @pytest.mark.parametrize(("device", "dtypes"), [

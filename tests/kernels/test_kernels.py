@@ -221,11 +221,14 @@ def test_the_other_kernels_compile():
     compile_sm90(fused.rmsnorm_backward_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", dy_ptr="*bf16", dx_ptr="*bf16",
                                                      dw_part_ptr="*fp32"),
                  dict(BLOCK_K=128, ROWS=32), floats=("k_float", "eps"), launch=dict(num_warps=8))  # fmt: skip
-    for spread, c, tile, group, warps in ((False, "*bf16", 128, 8, 8), (True, "*fp32", 64, 1, 4)):  # training; decode
+    # training; decode; a tile wider than a weight block (a scale per column)
+    for spread, c, tile, group, warps, one_scale in ((False, "*bf16", 128, 8, 8, True), (True, "*fp32", 64, 1, 4, True),
+                                                     (False, "*bf16", 128, 8, 8, False)):  # fmt: skip
         ptx = compile_sm90(gemm.fp8_gemm_nt_kernel, dict(a_ptr="*fp8e4nv", b_ptr="*fp8e4nv", c_ptr=c, as_ptr="*fp32",
                                                          bs_ptr="*fp32"),
                            dict(B_BLOCK=True, BLOCK_M=tile, BLOCK_N=tile, BLOCK_K=128, GROUP_M=group, CHUNK_GROUPS=16,
-                                SPREAD=spread), launch=dict(num_warps=warps, num_stages=4))  # fmt: skip
+                                SPREAD=spread, ONE_B_SCALE=one_scale),
+                           launch=dict(num_warps=warps, num_stages=4))  # fmt: skip
         assert "wgmma" in ptx
     for splits, qkv in ((0, "*bf16"), (3, "*fp32")):  # q/k/v as such, or a grouped GEMM's split sums
         compile_sm90(rope.rope_append_kernel, dict(q_ptr=qkv, k_ptr=qkv, v_ptr=qkv, cos_ptr="*bf16", sin_ptr="*bf16",
