@@ -15,7 +15,14 @@ FP8 one (E4M3 values, one FP32 scale per position and head). Two kernels read th
 Per case: microseconds per call (median), the bytes of live K, V and scales read, and GB/s. The exact
 kernel has no split, so with few rows it leaves SMs idle; this measures where that costs.
 
-Usage: ``python benchmarks/bench_exact_attention.py [--rows 8,64] [--lengths 1024,4096,8192,16384]``.
+``--training BxS,...``: one layer's attention in a training micro-batch of ``B`` sequences of ``S``
+positions (causal, the first row left-padded by an eighth), BF16: the exact forward (the kernel) and
+its backward, ``tiled`` (torch FP32 products over key tiles from the saved log-sum-exp) against
+``fused`` (torch's fused SDPA backward after recomputing its forward), beside the plain training
+forward's attention, SDPA with the padding mask, forward and backward (``plain_fwd_bwd``).
+
+Usage: ``python benchmarks/bench_exact_attention.py [--rows 8,64] [--lengths 1024,4096,8192,16384]``;
+``python benchmarks/bench_exact_attention.py --training 4x800,1x8448``.
 """
 
 from __future__ import annotations
@@ -81,13 +88,64 @@ def run_case(rows: int, length: int, fp8: bool) -> dict:
     return result
 
 
+def run_training_case(batch: int, positions: int) -> dict:
+    from jetrl_trainer.exact import ops
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(batch, HEADS, positions, HEAD_DIM, generator=g, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(batch, KV_HEADS, positions, HEAD_DIM, generator=g, device="cuda", dtype=torch.bfloat16)
+            for _ in range(2))  # fmt: skip
+    grad = torch.randn_like(q)
+    t = torch.arange(positions, device="cuda")
+    first = torch.zeros(batch, dtype=torch.long, device="cuda")
+    first[0] = positions // 8
+    valid = (t[None, None, :] >= first[:, None, None]) & (t[None, None, :] <= t[None, :, None])  # (B, S, T)
+    first, last = ops._key_runs(valid)
+    scale = HEAD_DIM**-0.5
+    settings = ops._attention_settings(q)
+    bf16_dot = ops._triton_attention().uses_tensor_cores(settings, q.dtype)
+    out, lse = ops._triton_attention().exact_attention(q, k, v, first, last, scale, settings, return_lse=True)
+    group = HEADS // KV_HEADS
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+
+    def plain_fwd_bwd():
+        qd, kd, vd = leaves
+        o = torch.nn.functional.scaled_dot_product_attention(
+            qd, kd.repeat_interleave(group, 1), vd.repeat_interleave(group, 1), attn_mask=valid[:, None], scale=scale)
+        torch.autograd.grad(o, leaves, grad)
+
+    calls = {
+        "exact_fwd": lambda: ops._triton_attention().exact_attention(q, k, v, first, last, scale, settings,
+                                                                     return_lse=True),  # fmt: skip
+        "tiled_bwd": lambda: ops._flash_backward(q, k, v, out, lse, first, last, grad, scale, bf16_dot=bf16_dot),
+        "fused_bwd": lambda: ops._fused_backward(q, k, v, first, last, grad, scale, bf16_dot=bf16_dot),
+        "plain_fwd_bwd": plain_fwd_bwd,
+    }
+    result = dict(batch=batch, positions=positions)
+    for name, fn in calls.items():
+        result[name] = dict(ms=round(bench_ms(fn), 3))
+    for name in ("tiled_bwd", "fused_bwd"):
+        exact = result["exact_fwd"]["ms"] + result[name]["ms"]
+        result[f"exact_with_{name}_over_plain"] = round(exact / result["plain_fwd_bwd"]["ms"], 2)
+    return result
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="8,64", help="comma list: rows (sequences) per decode step")
     ap.add_argument("--lengths", default="1024,4096,8192,16384", help="comma list: live positions per row")
     ap.add_argument("--kv", default="bf16,fp8", help="comma list of cache formats: bf16, fp8")
+    ap.add_argument("--training", default="", help="comma list of BxS: the training attention instead of decode")
     args = ap.parse_args(argv)
     result = dict(benchmark="exact_attention", env=environment(), args=vars(args), cases=[])
+    if args.training:
+        for shape in args.training.split(","):
+            case = run_training_case(*map(int, shape.split("x")))
+            print(case, flush=True)
+            result["cases"].append(case)
+            torch.cuda.empty_cache()
+        dump(result)
+        return result
     for kv in args.kv.split(","):
         for rows in map(int, args.rows.split(",")):
             for length in map(int, args.lengths.split(",")):

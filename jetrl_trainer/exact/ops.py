@@ -226,8 +226,7 @@ def exact_attention(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, scale: f
     training batch, a prefill and the engine's cache. Computed in FP32, returned in ``q``'s dtype.
     On CUDA one Triton kernel (`kernels/triton_exact_attention.py`) computes it, each query's keys
     ``first key .. its last valid key``; elsewhere the torch ops below. Differentiable: the kernel's
-    backward is flash-attention style from its log-sum-exp (`_flash_backward`; any correct gradient
-    will do).
+    backward is torch's fused attention backward (`_fused_backward`; any correct gradient will do).
 
     ``kv_roundtrip`` (`ExactOps`'): keys and values are read as the KV cache returns them, the
     gradient passing straight through the rounding. The kernel reads the roundtrip's ``encode`` (the
@@ -292,7 +291,7 @@ def _key_runs(key_valid: Tensor) -> tuple[Tensor, Tensor]:
 
 
 class _KernelAttention(torch.autograd.Function):
-    """The kernel's forward and `_flash_backward`. ``encode``: keys and values go to the kernel as the
+    """The kernel's forward and `_fused_backward`. ``encode``: keys and values go to the kernel as the
     FP8 cache's codes and scales, which it reads as the decode does (its tensor-core products round a
     coded operand otherwise than the same value in FP32); the backward reads the dequantized values
     and passes their gradients straight through to the unrounded keys and values."""
@@ -318,8 +317,36 @@ class _KernelAttention(torch.autograd.Function):
         q, k, v, out, lse, first, last, k_scale, v_scale = ctx.saved_tensors
         if k_scale is not None:
             k, v = k.float() * k_scale[..., None], v.float() * v_scale[..., None]
-        dq, dk, dv = _flash_backward(q, k, v, out, lse, first, last, grad, ctx.scale, bf16_dot=ctx.bf16_dot)
+        dq, dk, dv = _fused_backward(q, k, v, first, last, grad, ctx.scale, bf16_dot=ctx.bf16_dot)
         return dq, dk.to(ctx.k_dtype), dv.to(ctx.v_dtype), None, None, None
+
+
+@_plain_torch  # the mode is on while autograd runs: this SDPA is torch's own, not `exact_sdpa`
+def _fused_backward(q: Tensor, k: Tensor, v: Tensor, first: Tensor, last: Tensor, grad: Tensor, scale: float, *,
+                    bf16_dot: bool = False) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """The attention's gradients from torch's fused SDPA backward (flash-attention style, its
+    memory-efficient kernel on CUDA for the mask), after recomputing its forward: a gradient need not
+    be exact, only correct, and the fused kernels are far faster than a tiled torch backward (FP32
+    products and a dozen launches per key tile). The recomputed probabilities are the kernel's to
+    rounding: ``bf16_dot`` (the forward's products on tensor cores) recomputes in BF16, as flash
+    attention would, and otherwise in the queries' dtype. A query that reads no key (left padding)
+    gets one key and no gradient, where SDPA would give NaN."""
+    b, h, s, d = q.shape
+    h_kv, t = k.shape[1], k.shape[2]
+    keys = torch.arange(t, device=q.device)
+    valid = (keys >= first[:, None, None]) & (keys <= last[:, :, None])  # (B, S, T)
+    empty = ~valid.any(-1, keepdim=True)
+    valid = valid | (empty & (keys == 0))
+    dtype = torch.bfloat16 if bf16_dot else q.dtype
+    group = h // h_kv
+    with torch.enable_grad(), torch.autocast(q.device.type, enabled=False):
+        qd = q.detach().to(dtype).requires_grad_()
+        kd, vd = (x.detach().to(dtype).requires_grad_() for x in (k, v))
+        # GQA as repeated heads: the memory-efficient kernel's mask path takes equal head counts
+        out = F.scaled_dot_product_attention(qd, kd.repeat_interleave(group, 1), vd.repeat_interleave(group, 1),
+                                             attn_mask=valid[:, None], scale=scale)  # fmt: skip
+        dq, dk, dv = torch.autograd.grad(out, (qd, kd, vd), grad.to(dtype).masked_fill(empty[:, None], 0))
+    return dq.to(q.dtype), dk, dv
 
 
 @_plain_torch

@@ -3,8 +3,8 @@
 Under ``TRITON_INTERPRET=1`` the exact ops run `kernels/triton_exact_attention.py` (and the RMSNorms'
 `kernels/triton_row_sum.py`) on CPU tensors, as they do on CUDA: the training forward through the autograd Function (key runs read from the mask),
 the engine's decode over its cache in place (slots, FP8 values and scales). The recorded log-probs
-must still be the training forward's bits, and the gradient must flow (the backward recomputes the
-torch version). The GPU runs the same wiring in tests/exact/test_exact_contract.py and test_exact_fp8_kv.py.
+must still be the training forward's bits, and the gradient must flow (the backward is torch's fused
+attention's, recomputed). The GPU runs the same wiring in tests/exact/test_exact_contract.py and test_exact_fp8_kv.py.
 """
 
 from __future__ import annotations
@@ -54,6 +54,28 @@ def test_gradients_flow_through_the_kernel():
     assert torch.allclose(out, expected, atol=1e-5)
     grads = torch.autograd.grad(out.sum(), (q, k, v))
     assert all(torch.allclose(g, e, atol=1e-5) for g, e in zip(grads, torch.autograd.grad(expected.sum(), (q, k, v))))
+
+
+@pytest.mark.interpreter
+def test_the_backward_inside_the_mode_is_torchs_attention_not_the_exact_ops(monkeypatch):
+    """The trainer's backward runs under `ExactOps` (checkpointing recomputes there): the attention's
+    gradient must still be torch's fused attention, not the exact ops' invariant products (whose FP32
+    path is the slowest kernel there is), and correct, padding queries included."""
+    products = []
+    invariant = ops._invariant_matmul
+    monkeypatch.setattr(ops, "_invariant_matmul", lambda a, b: products.append(a.shape) or invariant(a, b))
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, n, 24, 16, generator=g).requires_grad_() for n in (4, 2, 2))
+    valid = torch.ones(24, 24, dtype=torch.bool).tril()[None].repeat(2, 1, 1)
+    valid[1, :, :5] = False  # left padding: row 1's first 5 queries read no key
+    weights = torch.randn(2, 4, 24, 16, generator=g)
+    weights[1, :, :5] = 0
+    with ExactOps.entered():
+        (ops.exact_attention(q, k, v, valid, 0.25) * weights).sum().backward()
+    assert products == []
+    grads = q.grad, k.grad, v.grad
+    expected = torch.autograd.grad((ops._torch_attention(q, k, v, valid, 0.25) * weights).sum(), (q, k, v))
+    assert all(torch.isfinite(g).all() and torch.allclose(g, e, atol=1e-5) for g, e in zip(grads, expected))
 
 
 def _counting(fn, calls, key):
