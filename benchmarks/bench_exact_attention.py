@@ -17,8 +17,7 @@ kernel has no split, so with few rows it leaves SMs idle; this measures where th
 
 ``--training BxS,...``: one layer's attention in a training micro-batch of ``B`` sequences of ``S``
 positions (causal, the first row left-padded by an eighth), BF16: the exact forward (the kernel) and
-its backward, ``tiled`` (torch FP32 products over key tiles from the saved log-sum-exp) against
-``fused`` (torch's fused SDPA backward after recomputing its forward), beside the plain training
+its backward (torch's fused SDPA backward after recomputing its forward), beside the plain training
 forward's attention, SDPA with the padding mask, forward and backward (``plain_fwd_bwd``).
 
 Usage: ``python benchmarks/bench_exact_attention.py [--rows 8,64] [--lengths 1024,4096,8192,16384]``;
@@ -104,7 +103,6 @@ def run_training_case(batch: int, positions: int) -> dict:
     scale = HEAD_DIM**-0.5
     settings = ops._attention_settings(q)
     bf16_dot = ops._triton_attention().uses_tensor_cores(settings, q.dtype)
-    out, lse = ops._triton_attention().exact_attention(q, k, v, first, last, scale, settings, return_lse=True)
     group = HEADS // KV_HEADS
     leaves = [x.detach().requires_grad_() for x in (q, k, v)]
 
@@ -115,18 +113,15 @@ def run_training_case(batch: int, positions: int) -> dict:
         torch.autograd.grad(o, leaves, grad)
 
     calls = {
-        "exact_fwd": lambda: ops._triton_attention().exact_attention(q, k, v, first, last, scale, settings,
-                                                                     return_lse=True),  # fmt: skip
-        "tiled_bwd": lambda: ops._flash_backward(q, k, v, out, lse, first, last, grad, scale, bf16_dot=bf16_dot),
-        "fused_bwd": lambda: ops._fused_backward(q, k, v, first, last, grad, scale, bf16_dot=bf16_dot),
+        "exact_fwd": lambda: ops._triton_attention().exact_attention(q, k, v, first, last, scale, settings),
+        "exact_bwd": lambda: ops._fused_backward(q, k, v, first, last, grad, scale, bf16_dot=bf16_dot),
         "plain_fwd_bwd": plain_fwd_bwd,
     }
     result = dict(batch=batch, positions=positions)
     for name, fn in calls.items():
         result[name] = dict(ms=round(bench_ms(fn), 3))
-    for name in ("tiled_bwd", "fused_bwd"):
-        exact = result["exact_fwd"]["ms"] + result[name]["ms"]
-        result[f"exact_with_{name}_over_plain"] = round(exact / result["plain_fwd_bwd"]["ms"], 2)
+    exact = result["exact_fwd"]["ms"] + result["exact_bwd"]["ms"]
+    result["exact_over_plain"] = round(exact / result["plain_fwd_bwd"]["ms"], 2)
     return result
 
 

@@ -18,13 +18,13 @@ import triton.language as tl
 
 @triton.jit(do_not_specialize=["S", "T", "ROWS"])
 def exact_attention_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, first_ptr, last_ptr, kv_rows_ptr, k_scale_ptr, v_scale_ptr, S, T, ROWS,
+    q_ptr, k_ptr, v_ptr, out_ptr, first_ptr, last_ptr, kv_rows_ptr, k_scale_ptr, v_scale_ptr, S, T, ROWS,
     scale,
     stride_qb, stride_qh, stride_qs, stride_qd, stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_vd, stride_ob, stride_oh, stride_os, stride_od,
     stride_lb, stride_ls, stride_sb, stride_sh, stride_st,
     GROUP: tl.constexpr, HEADS_KV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, KV_ROWS: tl.constexpr, SCALED: tl.constexpr, WRITE_LSE: tl.constexpr,
+    BLOCK_N: tl.constexpr, KV_ROWS: tl.constexpr, SCALED: tl.constexpr,
     BF16_DOT: tl.constexpr,
 ):
     # KV_ROWS: batch row b reads keys/values at kv_rows[b] (the engine's cache slots); SCALED: FP8 keys
@@ -84,6 +84,3 @@ def exact_attention_kernel(
     out = tl.where(total[:, None] > 0, acc / total[:, None], 0.0)  # a query with no key (padding): 0, not NaN
     o = out_ptr + b * stride_ob + head[:, None] * stride_oh + pos[:, None] * stride_os + d[None, :] * stride_od
     tl.store(o, out.to(out_ptr.dtype.element_ty), mask=live[:, None] & d_ok[None, :])
-    if WRITE_LSE:  # log-sum-exp of the scaled scores (B, H, S) contiguous, for the backward; 0 without keys
-        lse = tl.where(total > 0, m + tl.log(total), 0.0)
-        tl.store(lse_ptr + (b * GROUP * HEADS_KV + head) * S + pos, lse, mask=live)

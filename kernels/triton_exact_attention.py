@@ -34,8 +34,8 @@ def uses_tensor_cores(settings: ExactAttentionSettings, q_dtype: torch.dtype) ->
 def exact_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_key: torch.Tensor, last_key: torch.Tensor, scale: float,
     settings: ExactAttentionSettings = _DEFAULT, *, kv_rows: torch.Tensor | None = None,
-    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, return_lse: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
     """Softmax attention ``(B, H, S, D)`` of q ``(B, H, S, D)`` over k / v ``(B, H_kv, T, D)`` (any float
     dtypes, any strides; GQA: head ``h`` reads KV head ``h // (H / H_kv)``), query ``(b, s)`` reading keys
     ``first_key[b]`` ``(B,)`` to ``last_key[b, s]`` ``(B, S)``, both included (none where ``last < first``).
@@ -44,19 +44,15 @@ def exact_attention(
 
     The engine's cache in place: ``kv_rows`` ``(B,)`` picks batch row ``b``'s keys and values among k /
     v's first dim (its slots), and FP8 keys and values come with ``k_scale`` / ``v_scale`` ``(slots,
-    H_kv, T)``, read as ``q * scale`` in FP32 (`rollout/engine/kv_cache.py`'s roundtrip).
-
-    ``return_lse``: also each query's log-sum-exp of its scaled scores ``(B, H, S)`` FP32 (0 for a
-    query without keys), what a flash-style backward needs."""
+    H_kv, T)``, read as ``q * scale`` in FP32 (`rollout/engine/kv_cache.py`'s roundtrip)."""
     b, h, s, d = q.shape
     h_kv, t = k.shape[1], k.shape[2]
     if (k_scale is None) != (v_scale is None):
         raise ValueError("exact_attention: pass both k_scale and v_scale (an FP8 cache) or neither.")
     out = torch.empty_like(q)
-    lse = torch.zeros((b, h, s), dtype=torch.float32, device=q.device) if return_lse else None
     rows = (h // h_kv) * s
     if out.numel() == 0:
-        return (out, lse) if return_lse else out
+        return out
     first = first_key.to(device=q.device, dtype=torch.int64).contiguous()
     last = last_key.to(device=q.device, dtype=torch.int64)
     scaled = k_scale is not None
@@ -66,11 +62,11 @@ def exact_attention(
         raise ValueError("exact_attention: k_scale and v_scale must have the same strides.")
     grid = (cdiv(rows, settings.block_m), b * h_kv)
     load_jit("_triton_exact_attention_jit").exact_attention_kernel[grid](
-        q, k, v, out, lse if return_lse else out, first, last, rows_index, k_scale if scaled else first, v_scale if scaled else first, s, t, rows,
+        q, k, v, out, first, last, rows_index, k_scale if scaled else first, v_scale if scaled else first, s, t, rows,
         float(scale), *q.stride(), *k.stride(), *v.stride(), *out.stride(), *last.stride(), *scale_strides,
         GROUP=h // h_kv, HEADS_KV=h_kv, D=d, BLOCK_D=max(16, 1 << (d - 1).bit_length()), BLOCK_M=settings.block_m,
-        BLOCK_N=settings.block_n, KV_ROWS=kv_rows is not None, SCALED=scaled, WRITE_LSE=return_lse,
+        BLOCK_N=settings.block_n, KV_ROWS=kv_rows is not None, SCALED=scaled,
         BF16_DOT=uses_tensor_cores(settings, q.dtype),
         num_warps=settings.num_warps, num_stages=settings.num_stages,
     )  # fmt: skip
-    return (out, lse) if return_lse else out
+    return out

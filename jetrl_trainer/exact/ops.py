@@ -306,15 +306,15 @@ class _KernelAttention(torch.autograd.Function):
             k_scale = v_scale = None
             if encode is not None:  # the codes and scales (1 byte + 4 per head vector) saved, not FP32 values
                 (k, k_scale), (v, v_scale) = encode(k), encode(v)
-            out, lse = _triton_attention().exact_attention(q, k, v, first, last, scale, settings, return_lse=True,
-                                                           k_scale=k_scale, v_scale=v_scale)  # fmt: skip
+            out = _triton_attention().exact_attention(q, k, v, first, last, scale, settings, k_scale=k_scale,
+                                                      v_scale=v_scale)  # fmt: skip
             # the key runs, not the (B, S, T) mask
-            ctx.save_for_backward(q, k, v, out, lse, first, last, k_scale, v_scale)
+            ctx.save_for_backward(q, k, v, first, last, k_scale, v_scale)
         return out
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        q, k, v, out, lse, first, last, k_scale, v_scale = ctx.saved_tensors
+        q, k, v, first, last, k_scale, v_scale = ctx.saved_tensors
         if k_scale is not None:
             k, v = k.float() * k_scale[..., None], v.float() * v_scale[..., None]
         dq, dk, dv = _fused_backward(q, k, v, first, last, grad, ctx.scale, bf16_dot=ctx.bf16_dot)
@@ -347,40 +347,6 @@ def _fused_backward(q: Tensor, k: Tensor, v: Tensor, first: Tensor, last: Tensor
                                              attn_mask=valid[:, None], scale=scale)  # fmt: skip
         dq, dk, dv = torch.autograd.grad(out, (qd, kd, vd), grad.to(dtype).masked_fill(empty[:, None], 0))
     return dq.to(q.dtype), dk, dv
-
-
-@_plain_torch
-def _flash_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, first: Tensor, last: Tensor,
-                    grad: Tensor, scale: float, *, bf16_dot: bool = False) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """The attention's gradients, flash-attention style: tile by tile, each tile's probabilities
-    recomputed from the forward's log-sum-exp, so memory holds one tile's scores, not the sequence's
-    (autograd through the tiled torch version saved every tile: ~100 GB at 8 x 4k positions at 8B).
-    Plain matmuls: a gradient need not be exact, only correct. ``bf16_dot``: the forward scored
-    BF16-rounded queries and keys (``ExactAttentionSettings.dot``), so the recomputed scores do too."""
-    b, h, s, d = q.shape
-    h_kv, t = k.shape[1], k.shape[2]
-    rows = (h // h_kv) * s
-    rounded = (lambda x: x.bfloat16().float()) if bf16_dot else (lambda x: x.float())
-    qf = rounded(q).reshape(b, h_kv, rows, d)
-    do = grad.float().reshape(b, h_kv, rows, d)
-    delta = (do * out.float().reshape(b, h_kv, rows, d)).sum(-1, keepdim=True)
-    row_lse = lse.reshape(b, h_kv, rows, 1)
-    row_last = last[:, None, :].expand(b, h // h_kv, s).reshape(b, 1, rows, 1)
-    dq = torch.zeros_like(qf)
-    dk = torch.zeros(b, h_kv, t, d, dtype=torch.float32, device=k.device)
-    dv = torch.zeros_like(dk)
-    for start in range(0, t, KV_TILE):
-        tile = slice(start, min(start + KV_TILE, t))
-        keys = torch.arange(tile.start, tile.stop, device=k.device)
-        kt, vt = rounded(k[:, :, tile]), v[:, :, tile].float()
-        valid = (keys >= first[:, None, None, None]) & (keys <= row_last)  # (B, 1, rows, tile)
-        # where, not a product: a masked score's exp may overflow (padding rows' lse is 0), and inf * 0 is NaN
-        p = torch.where(valid, torch.exp((qf @ kt.transpose(-1, -2)) * scale - row_lse), 0.0)
-        dv[:, :, tile] += p.transpose(-1, -2) @ do
-        ds = p * ((do @ vt.transpose(-1, -2)) - delta)
-        dq += (ds @ kt) * scale
-        dk[:, :, tile] += (ds.transpose(-1, -2) @ qf) * scale
-    return dq.reshape(b, h, s, d).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 @_plain_torch

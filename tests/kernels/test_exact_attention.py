@@ -168,11 +168,11 @@ def test_it_compiles_for_sm90():
     from jetrl_trainer.kernels._triton_exact_attention_jit import exact_attention_kernel
 
     for kv, scaled in (("*bf16", False), ("*fp8e4nv", True)):  # the training forward; the engine's FP8 cache
-        pointers = dict(q_ptr="*bf16", k_ptr=kv, v_ptr=kv, out_ptr="*bf16", lse_ptr="*fp32", first_ptr="*i64",
+        pointers = dict(q_ptr="*bf16", k_ptr=kv, v_ptr=kv, out_ptr="*bf16", first_ptr="*i64",
                         last_ptr="*i64", kv_rows_ptr="*i64", k_scale_ptr="*fp32", v_scale_ptr="*fp32")  # fmt: skip
         for bf16_dot in (False, True):
             constexprs = dict(GROUP=4, HEADS_KV=8, D=128, BLOCK_D=128, BLOCK_M=16, BLOCK_N=64, KV_ROWS=scaled,
-                              SCALED=scaled, WRITE_LSE=not scaled, BF16_DOT=bf16_dot)  # fmt: skip
+                              SCALED=scaled, BF16_DOT=bf16_dot)  # fmt: skip
             ptx = compile_sm90(exact_attention_kernel, pointers, constexprs,
                                floats=("scale",), launch=dict(num_warps=4), odd=("S", "T", "ROWS"))  # fmt: skip
             assert "ex2" in ptx and ("mma" in ptx) == bf16_dot  # tensor-core instructions only for the BF16 dot
