@@ -79,7 +79,7 @@ def resolve_exact_logprobs(args: Any, model: Any, *, diffusion: bool, cuda: bool
         return False, unmet
     if cuda:
         return False, ("on CUDA the exact decode runs the model's modules instead of the engine's fused kernels "
-                       "(1.33x the plain step at the 8B shape); exact_logprobs=True opts in")  # fmt: skip
+                       "(about 1.12x the plain step at the 8B shape); exact_logprobs=True opts in")  # fmt: skip
     return True, "the unified flow with the engine (exact_logprobs=None)"
 
 
