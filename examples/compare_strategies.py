@@ -81,8 +81,9 @@ class CompareArguments:
     )
     strategies: str | None = field(
         default=None,
-        metadata={"help": "Comma-separated 'train/rollout[+corrector]' names; unset = every strategy of "
-                          "jetrl_trainer._choices.STUDY_STRATEGIES."},
+        metadata={"help": "Comma-separated 'train/rollout[+corrector][@exact|@plain]' names (@exact / @plain pin "
+                          "exact log-probs on or off for a unified strategy); unset = every strategy of "
+                          "jetrl_trainer._choices.STUDY_STRATEGIES (--gpu: GPU_STUDY_STRATEGIES)."},
     )  # fmt: skip
     nvfp4: bool = field(default=False, metadata={"help": "Add nvfp4/nvfp4 and bf16/nvfp4+ais (emulated, slow)."})
     seeds: str | None = field(default=None, metadata={"help": "Comma-separated seeds (preset: 0,1,2; --fast: 0)."})
@@ -184,10 +185,11 @@ def _pairs(text: str | None, flag: str = "--difficulty", example: str = "holes=8
 
 def build(args: CompareArguments):
     """The `StudySpec` and model builder these arguments describe."""
-    from jetrl_trainer._choices import STUDY_STRATEGIES, STUDY_STRATEGIES_NVFP4
+    from jetrl_trainer._choices import GPU_STUDY_STRATEGIES, STUDY_STRATEGIES, STUDY_STRATEGIES_NVFP4
     from jetrl_trainer.study import PretrainedModel, StudySpec, TinyModel
 
-    strategies = args.strategies.split(",") if args.strategies else list(STUDY_STRATEGIES)
+    default = GPU_STUDY_STRATEGIES if args.gpu else STUDY_STRATEGIES  # the GPU study pins exactness on or off
+    strategies = args.strategies.split(",") if args.strategies else list(default)
     strategies += list(STUDY_STRATEGIES_NVFP4) if args.nvfp4 else []
     trainer_kwargs = {} if args.diffusion_steps is None else {"diffusion_steps": args.diffusion_steps}
     if args.rollout_backend is not None:

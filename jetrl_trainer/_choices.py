@@ -17,6 +17,7 @@ __all__ = [
     "COMPILE_MODES",
     "DECODE_PATHS",
     "FLOAT_DTYPES",
+    "GPU_STUDY_STRATEGIES",
     "GRANULARITIES",
     "KV_CACHE_DTYPES",
     "NVFP4_BACKWARDS",
@@ -61,6 +62,10 @@ STUDY_STRATEGIES: tuple[str, ...] = (
     "bf16/bf16", "bf16/fp8", "bf16/fp8+is", "bf16/fp8+tis", "bf16/fp8+mis", "bf16/fp8+ais", "fp8/fp8", "fp8/fp8+ais",
 )  # fmt: skip
 STUDY_STRATEGIES_NVFP4: tuple[str, ...] = ("nvfp4/nvfp4", "bf16/nvfp4+ais")
+# The GPU study (`compare_strategies.py --gpu`): exactness pinned, since the trainer's auto leaves it off on CUDA.
+GPU_STUDY_STRATEGIES: tuple[str, ...] = (
+    "bf16/bf16@exact", "bf16/fp8", "bf16/fp8+tis", "bf16/fp8+ais", "fp8/fp8@exact", "fp8/fp8@plain",
+)  # fmt: skip
 TINY_ARCHS: tuple[str, ...] = ("qwen3", "llama", "qwen2", "llada")  # the model builders of jetrl_trainer.tiny
 # Inputs the quantizers accept and outputs the GEMMs write.
 FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)

@@ -1,8 +1,11 @@
-"""Strategy names: ``train_precision/rollout_precision[+corrector]``, e.g. ``bf16/fp8+ais``.
+"""Strategy names: ``train_precision/rollout_precision[+corrector][@exact|@plain]``, e.g. ``bf16/fp8+ais``.
 
 The name is the unit the study runs, plots and tabulates. ``+none`` is dropped (``bf16/fp8+none``
-reads as ``bf16/fp8``), so each strategy has one spelling. The default sets live in
-`jetrl_trainer._choices` (``STUDY_STRATEGIES``, ``STUDY_STRATEGIES_NVFP4``).
+reads as ``bf16/fp8``), so each strategy has one spelling. ``@exact`` and ``@plain`` pin the exact
+on-policy log-probs (`JetGRPOConfig.exact_logprobs`) on or off for a unified strategy
+(``fp8/fp8@exact``, ``fp8/fp8@plain``); without either the trainer's auto applies (on where the
+engine decodes on CPU, off on CUDA), so the GPU study names them. The default sets live in
+`jetrl_trainer._choices` (``STUDY_STRATEGIES``, ``STUDY_STRATEGIES_NVFP4``, ``GPU_STUDY_STRATEGIES``).
 """
 
 from __future__ import annotations
@@ -22,37 +25,48 @@ class Strategy:
     train_precision: str
     rollout_precision: str
     corrector: str = "none"
+    exact: str = "auto"  # "auto" | "exact" | "plain": `JetGRPOConfig.exact_logprobs` None | True | False
 
     @property
     def name(self) -> str:
         base = f"{self.train_precision}/{self.rollout_precision}"
-        return base if self.corrector == "none" else f"{base}+{self.corrector}"
+        base = base if self.corrector == "none" else f"{base}+{self.corrector}"
+        return base if self.exact == "auto" else f"{base}@{self.exact}"
 
     @property
     def slug(self) -> str:
-        """The name as a folder name: ``bf16/fp8+ais`` -> ``bf16-fp8-ais``."""
-        return self.name.replace("/", "-").replace("+", "-")
+        """The name as a folder name: ``bf16/fp8+ais`` -> ``bf16-fp8-ais``, ``fp8/fp8@exact`` -> ``fp8-fp8-exact``."""
+        return self.name.replace("/", "-").replace("+", "-").replace("@", "-")
 
-    def config_kwargs(self) -> dict[str, str]:
+    def config_kwargs(self) -> dict:
         """The `JetGRPOConfig` fields this strategy sets."""
-        return dict(train_precision=self.train_precision, rollout_precision=self.rollout_precision,
-                    corrector=self.corrector)  # fmt: skip
+        fields = dict(train_precision=self.train_precision, rollout_precision=self.rollout_precision,
+                      corrector=self.corrector)  # fmt: skip
+        if self.exact != "auto":
+            fields["exact_logprobs"] = self.exact == "exact"
+        return fields
 
     def __str__(self) -> str:
         return self.name
 
 
 def parse_strategy(name: str | Strategy) -> Strategy:
-    """``"bf16/fp8+tis"`` -> ``Strategy("bf16", "fp8", "tis")``; case and spaces are ignored.
+    """``"bf16/fp8+tis"`` -> ``Strategy("bf16", "fp8", "tis")``, ``"fp8/fp8@exact"`` -> ``Strategy("fp8",
+    "fp8", exact="exact")``; case and spaces are ignored.
 
     The precisions must be in ``PRECISIONS``; the corrector must be registered
-    (`jetrl_trainer.correctors.available_correctors`, which includes your own).
+    (`jetrl_trainer.correctors.available_correctors`, which includes your own); ``@exact`` / ``@plain``
+    need the unified flow (equal precisions), the only one whose log-probs can be exact.
     """
     if isinstance(name, Strategy):
         return name
     if not isinstance(name, str):
         raise ValueError(f"a strategy is a string like 'bf16/fp8+ais'; got {name!r}")
     text = name.strip().lower().replace(" ", "")
+    text, at, exact = text.partition("@")
+    if at and exact not in ("exact", "plain"):
+        raise ValueError(f"strategy {name!r}: after '@' write 'exact' or 'plain' (e.g. 'fp8/fp8@exact'), "
+                         f"or drop the '@' part for the trainer's auto.")  # fmt: skip
     pair, plus, corrector = text.partition("+")
     train, slash, rollout = pair.partition("/")
     if not slash or not train or not rollout or (plus and not corrector):
@@ -62,7 +76,11 @@ def parse_strategy(name: str | Strategy) -> Strategy:
         )
     train = check_choice(f"train precision of strategy {name!r}", train, PRECISIONS)
     rollout = check_choice(f"rollout precision of strategy {name!r}", rollout, PRECISIONS)
-    return Strategy(train, rollout, _check_corrector(name, corrector or "none"))
+    if at and train != rollout:
+        raise ValueError(f"strategy {name!r}: '@{exact}' applies to the unified flow only (equal precisions, e.g. "
+                         f"'{rollout}/{rollout}@{exact}'); a '{train}/{rollout}' rollout is never exact, so drop "
+                         f"'@{exact}'.")  # fmt: skip
+    return Strategy(train, rollout, _check_corrector(name, corrector or "none"), exact or "auto")
 
 
 def _check_corrector(name: str, corrector: str) -> str:

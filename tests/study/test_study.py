@@ -46,11 +46,22 @@ def test_parse_strategy_normalises():
                                                                   corrector="tis")  # fmt: skip
 
 
+def test_exact_and_plain_pin_the_exact_log_probs_of_a_unified_strategy():
+    exact, plain, auto = parse_strategy(" FP8/FP8 @ Exact"), parse_strategy("fp8/fp8@plain"), parse_strategy("fp8/fp8")
+    assert exact == Strategy("fp8", "fp8", "none", "exact") and exact.name == "fp8/fp8@exact"
+    assert (exact.slug, plain.slug, auto.slug) == ("fp8-fp8-exact", "fp8-fp8-plain", "fp8-fp8")
+    assert exact.config_kwargs()["exact_logprobs"] is True and plain.config_kwargs()["exact_logprobs"] is False
+    assert "exact_logprobs" not in auto.config_kwargs()  # the trainer's auto
+    assert parse_strategy("bf16/bf16+ais@plain").name == "bf16/bf16+ais@plain"
+
+
 def test_default_sets_parse_to_their_own_names():
     assert study.STUDY_STRATEGIES is STUDY_STRATEGIES and study.TINY_ARCHS is _choices.TINY_ARCHS  # one definition
-    for name in STUDY_STRATEGIES + STUDY_STRATEGIES_NVFP4:
+    assert study.GPU_STUDY_STRATEGIES is _choices.GPU_STUDY_STRATEGIES
+    every = STUDY_STRATEGIES + STUDY_STRATEGIES_NVFP4 + _choices.GPU_STUDY_STRATEGIES
+    for name in every:
         assert parse_strategy(name).name == name
-    assert len({parse_strategy(n).slug for n in STUDY_STRATEGIES + STUDY_STRATEGIES_NVFP4}) == 10  # folders differ
+    assert len({parse_strategy(n).slug for n in every}) == len(set(every)) == 13  # folders differ
 
 
 @pytest.mark.parametrize(
@@ -63,6 +74,8 @@ def test_default_sets_parse_to_their_own_names():
         ("fp16/fp8", "train precision of strategy 'fp16/fp8' must be one of bf16, fp8, nvfp4; got 'fp16'"),
         ("bf16/int4", "rollout precision of strategy 'bf16/int4' must be one of"),
         ("bf16/fp8+clip", "corrector of strategy 'bf16/fp8\\+clip' must be one of ais, is, mis, none, tis"),
+        ("fp8/fp8@on", "after '@' write 'exact' or 'plain'"),
+        ("bf16/fp8@exact", "applies to the unified flow only .* 'fp8/fp8@exact'.* drop '@exact'"),
         (3, "a strategy is a string"),
     ],
 )
@@ -135,7 +148,9 @@ def test_the_gpu_preset_describes_a_local_03b_model_on_the_engine():
     args = cli.parse(["--gpu", "--device", "cpu", "--seeds", "3"])
     spec, model = cli.build(args)
     assert spec.trainer_kwargs == {"rollout_backend": "engine"} and spec.completion_length() == 256
-    assert spec.seeds == (3,) and len(spec.strategies) == len(STUDY_STRATEGIES)  # flags still beat the preset
+    assert spec.seeds == (3,) and spec.strategies == _choices.GPU_STUDY_STRATEGIES  # exactness pinned on CUDA
+    assert cli.build(cli.parse(["--gpu", "--device", "cpu", "--strategies", "fp8/fp8@plain"]))[0].strategies == (
+        "fp8/fp8@plain",)  # flags still beat the preset
     # 256 is a floor: chain's default answers need 266; a flag still sets any budget
     assert cli.parse(["--gpu", "--task", "chain"]).max_completion_length == 266
     assert cli.parse(["--gpu", "--task", "chain", "--max_completion_length", "100"]).max_completion_length == 100
