@@ -331,14 +331,12 @@ def _fused_backward(q: Tensor, k: Tensor, v: Tensor, first: Tensor, last: Tensor
     rounding: ``bf16_dot`` (the forward's products on tensor cores) recomputes in BF16, as flash
     attention would, and otherwise in the queries' dtype. A query that reads no key (left padding)
     gets one key and no gradient, where SDPA would give NaN."""
-    b, h, s, d = q.shape
-    h_kv, t = k.shape[1], k.shape[2]
-    keys = torch.arange(t, device=q.device)
+    keys = torch.arange(k.shape[2], device=q.device)
     valid = (keys >= first[:, None, None]) & (keys <= last[:, :, None])  # (B, S, T)
     empty = ~valid.any(-1, keepdim=True)
     valid = valid | (empty & (keys == 0))
     dtype = torch.bfloat16 if bf16_dot else q.dtype
-    group = h // h_kv
+    group = q.shape[1] // k.shape[1]
     with torch.enable_grad(), torch.autocast(q.device.type, enabled=False):
         qd = q.detach().to(dtype).requires_grad_()
         kd, vd = (x.detach().to(dtype).requires_grad_() for x in (k, v))
