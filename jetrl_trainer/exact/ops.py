@@ -17,7 +17,8 @@ from each padded row's position 0. So these functions fix the shapes the hardwar
   one query (a decode step) or a whole sequence (prefill, the training forward); tiles a query
   cannot see add exact zeros. The backward is autograd's through these ops. On CUDA one Triton
   kernel with the same structure (`kernels/triton_exact_attention.py`) computes it in both phases.
-* `row_mean`: the RMSNorm's mean of squares as a product with a ones column.
+* `row_mean`: the RMSNorm's mean of squares as a product with a ones column; where Triton runs,
+  `rms_norm` replaces the whole Llama / Qwen2 / Qwen3 RMSNorm module by one fused kernel instead.
 * `log_probs` / `token_logprobs`: temperature and log-softmax, one row at a time, as the sampler
   and the training forward both call it.
 
@@ -47,6 +48,7 @@ __all__ = [
     "exact_attention_over_runs",
     "exact_linear",
     "log_probs",
+    "rms_norm",
     "row_invariant_matmul",
     "row_mean",
     "straight_through",
@@ -161,6 +163,46 @@ def row_mean(x: Tensor) -> Tensor:
         else:
             sums = row_invariant_matmul(rows, torch.ones(x.shape[-1], 1, dtype=x.dtype, device=x.device))
         return (sums / x.shape[-1]).view(*x.shape[:-1], 1)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor | None:
+    """The Llama / Qwen2 / Qwen3 RMSNorm module's output, ``weight * (x * rsqrt(mean(x²) + eps)).to(x.dtype)``,
+    in one launch of the fused kernel (`kernels/triton_exact_rmsnorm.py`) where Triton runs; None
+    elsewhere, where the module's own ops run under the mode (their mean being `row_mean`). Both phases
+    take the same branch, so a row's bits are the same in each. Differentiable (`_FusedRMSNorm`)."""
+    if not (_on_kernel_device(x) and x.dtype in FLOAT_DTYPES and weight.dtype in FLOAT_DTYPES):
+        return None
+    module = _triton_rmsnorm()
+    return None if module is None else _FusedRMSNorm.apply(x, weight, eps)
+
+
+def _triton_rmsnorm():
+    from jetrl_trainer import kernels
+
+    return kernels.optional_module("triton_exact_rmsnorm") if kernels.triton_available() else None
+
+
+class _FusedRMSNorm(torch.autograd.Function):
+    """The kernel's forward; the backward recomputes the module's formula in plain torch (a gradient need
+    not be exact, only correct)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        with torch._C.DisableTorchFunction():
+            return _triton_rmsnorm().exact_rmsnorm(x, weight, eps, ROW_SUM)
+
+    @staticmethod
+    @_plain_torch  # the mode is on while autograd runs
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
+        x, weight = ctx.saved_tensors
+        with torch.enable_grad(), torch.autocast(x.device.type, enabled=False):
+            xd, wd = x.detach().requires_grad_(), weight.detach().requires_grad_()
+            xf = xd.float()
+            out = wd * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + ctx.eps)).to(x.dtype)
+            dx, dw = torch.autograd.grad(out, (xd, wd), grad)
+        return dx, dw, None
 
 
 def _on_kernel_device(x: Tensor) -> bool:

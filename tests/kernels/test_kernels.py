@@ -245,16 +245,16 @@ def test_the_other_kernels_compile():
 
 @pytest.mark.sm90
 def test_every_launched_kernel_is_compiled_here():
-    """A kernel the package launches (``jit.<name>[grid](...)``) and no ``sm90`` test of this folder
-    compiles would reach the H200 unchecked."""
+    """A kernel the package launches (``jit.<name>[grid](...)`` or ``load_jit("...").<name>[grid](...)``)
+    and no ``sm90`` test of this folder compiles would reach the H200 unchecked."""
     import pathlib
     import re
 
     kernels = pathlib.Path(importlib.import_module("jetrl_trainer.kernels").__file__).parent
-    launched = {name for path in kernels.glob("*.py") for name in re.findall(r"jit\.(\w+)\[", path.read_text())}
+    launched = {name for path in kernels.glob("*.py") for name in re.findall(r"(?:jit|\))\.(\w+)\[", path.read_text())}
     assert launched  # the pattern still finds the launches
     sm90_files = (path.read_text() for path in pathlib.Path(__file__).parent.glob("test_*.py"))
     here = "".join(text for text in sm90_files if "@pytest.mark.sm90" in text)
-    # compiled as ``<module>.<name>`` or listed as a ``"<name>"`` / ``"<name>[VARIANT]"`` key
-    unchecked = {name for name in launched if not re.search(rf'(\.|"){name}\b', here)}
+    # compiled as ``<module>.<name>``, imported by name, or listed as a ``"<name>"`` / ``"<name>[VARIANT]"`` key
+    unchecked = {name for name in launched if not re.search(rf'(\.|"|import ){name}\b', here)}
     assert not unchecked, f"launched by the package but never compiled here: {sorted(unchecked)}"
