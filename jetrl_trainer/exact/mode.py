@@ -7,8 +7,8 @@ calls to `ops.py`. Our FP8 `QuantLinear` asks `ExactOps.active()` and runs a row
 (quant/linear.py), and so do the Llama / Qwen2 / Qwen3 RMSNorm modules, whose forward `entered`
 wraps to run one fused kernel where Triton runs (norms.py). The engine, the scorer and the trainer
 open it around both phases, the rollout and the training forward (and the backward, where gradient
-checkpointing recomputes the forward), so both compute with one implementation per op; outside it nothing changes. Thread-local, as every
-torch function mode.
+checkpointing recomputes the forward), so both compute with one implementation per op; outside it
+nothing changes. Thread-local, as every torch function mode.
 
 Float64 products pass through untouched (the FP8 emulation's exact group sums), and so do integer ones.
 
