@@ -3,7 +3,7 @@
 
 A random Qwen3 of Qwen3-8B's layer shapes (``--layers``), prompts of ``--prompt`` tokens, ``--new`` new
 tokens per sequence (8,192; 16,384 at fewer sequences). Every configuration decodes the same
-``--sequences`` sequences through as many slots as its cache format fits in ``--kv-gib`` (default:
+``--sequences`` sequences (0: as many as fit, in one wave) through as many slots as its cache format fits in ``--kv-gib`` (default:
 the memory free once the configuration's weights exist, its FP8 weight cache included, less
 ``--margin-gib`` for activations and graphs), a finished sequence's slot refilled by a waiting one, as
 ``rollout_kv_cache_gib`` runs a rollout. Per configuration: the slots, the largest batch that fits
@@ -127,18 +127,20 @@ def run(name: str, model, args, budget_bytes: int | None = None) -> dict:
     phase, kv_dtype, exact = CONFIGS[name]
     per_sequence = args.prompt + args.new
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(100, 150, (args.prompt,), generator=g).tolist() for _ in range(8)]
-    prompts = [prompts[i % 8] for i in range(args.sequences)]
+    distinct = [torch.randint(100, 150, (args.prompt,), generator=g).tolist() for _ in range(8)]
     config = GenerationConfig(max_new_tokens=args.new, do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
     cuda = args.device == "cuda"
     with torch.no_grad(), PrecisionPhases(model).use(phase):
         engine = DecodeEngine(model, kv_cache_dtype=kv_dtype, settings=EngineSettings(exact=exact))
         if budget_bytes is None:
-            engine.generate(prompts[:1], GenerationConfig(max_new_tokens=2, do_sample=False), eos_token_ids=[-1], seed=0)
+            engine.generate(distinct[:1], GenerationConfig(max_new_tokens=2, do_sample=False), eos_token_ids=[-1], seed=0)
             budget_bytes = free_budget(args)
         fits = {f"{n // 1024}k": slots_that_fit(model, kv_dtype, args.prompt + n, budget_bytes)
                 for n in (8192, 16384)}  # fmt: skip
-        slots = min(args.sequences, slots_that_fit(model, kv_dtype, per_sequence, budget_bytes))
+        fit = slots_that_fit(model, kv_dtype, per_sequence, budget_bytes)
+        sequences = args.sequences or fit  # 0: as many as fit, one wave
+        prompts = [distinct[i % 8] for i in range(sequences)]
+        slots = min(sequences, fit)
         if slots < 1:
             return dict(slots=0, kv_budget_gib=round(budget_bytes / 2**30, 2),
                         note=f"one sequence of {per_sequence} positions does not fit in {budget_bytes / 2**30:.1f} GiB")  # fmt: skip
@@ -153,10 +155,10 @@ def run(name: str, model, args, budget_bytes: int | None = None) -> dict:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
         generated = sum(map(len, ids))
-        waves = -(-args.sequences // slots)
+        waves = -(-sequences // slots)
         result = dict(
             kv_cache=kv_dtype, kv_budget_gib=round(budget_bytes / 2**30, 2), slots=slots, largest_batch=fits,
-            sequences=args.sequences, generated_tokens=generated,
+            sequences=sequences, generated_tokens=generated,
             seconds=round(seconds, 2), tok_per_s=round(generated / seconds, 1),
             ms_per_step=round(1e3 * seconds / (waves * args.new), 3),
             peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
@@ -177,7 +179,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=36)
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--new", type=int, default=8192)
-    ap.add_argument("--sequences", type=int, default=64, help="sequences every configuration decodes")
+    ap.add_argument("--sequences", type=int, default=64,
+                    help="sequences every configuration decodes; 0: as many as each configuration's budget fits")
     ap.add_argument("--kv-gib", type=float, default=None, help="KV budget; default: free memory less --margin-gib")
     ap.add_argument("--margin-gib", type=float, default=8.0)
     ap.add_argument("--mismatch-rows", type=int, default=2, help="sequences whose unified mismatch is measured (0: none)")

@@ -42,3 +42,13 @@ def test_without_a_budget_each_configuration_measures_its_own_after_its_weights_
     row = bench.run("fp8_kv", bench.build(args), args)
     assert row["kv_budget_gib"] == 1.0 and row["slots"] == 2 and row["generated_tokens"] == 2 * 4  # CPU: 1 GiB
     assert "unified_mismatch" not in row  # --mismatch-rows 0
+
+
+def test_sequences_zero_decodes_as_many_as_each_configurations_budget_fits_in_one_wave():
+    args = argparse.Namespace(layers=2, prompt=8, new=4, sequences=0, shape="tiny", device="cpu", mismatch_rows=0)
+    model = bench.build(args)
+    budget = 3 * (args.prompt + args.new) * 2 * 2 * 2 * 32 * 2  # three BF16 sequences of the tiny model
+    bf16, fp8 = bench.run("bf16", model, args, budget), bench.run("fp8_kv", model, args, budget)
+    assert (bf16["slots"], bf16["sequences"], bf16["generated_tokens"]) == (3, 3, 3 * 4)
+    assert fp8["slots"] == fp8["sequences"] == bench.slots_that_fit(model, "fp8", 12, budget) > 3
+
