@@ -112,9 +112,10 @@ def test_loads_as_a_llama_and_answers_a_chat_prompt(smollm2_dir, one_thread):
     [
         pytest.param(torch.float32, None, 32, id="fp32"),
         pytest.param(torch.bfloat16, None, 32, id="bf16", marks=pytest.mark.xfail(strict=True, reason=SUMMATION_ORDER)),
-        # FP8 is emulated on CPU (each call dequantizes the weights): a few tokens keep the test short.
-        pytest.param(torch.float32, "fp8", 4, id="fp32-fp8", marks=pytest.mark.xfail(strict=True, reason=SUMMATION_ORDER)),
-        pytest.param(torch.bfloat16, "fp8", 4, id="bf16-fp8", marks=pytest.mark.xfail(strict=True, reason=SUMMATION_ORDER)),
+        # No FP8 cases: whether the first few FP8 tokens survive the two summation orders depends on how
+        # transformers calls SDPA (they diverged with the transformers of earlier CI runs and agree with 5.24:
+        # the strict xfails failed as XPASS), not on the engine.
+        # Under the exact ops they must agree, and do (the test below).
     ],
 )  # fmt: skip
 def test_engine_greedy_tokens_equal_generate(smollm2_dir, one_thread, dtype, rollout, max_new_tokens):
