@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 from jetrl_trainer._choices import FLOAT_DTYPES
 
@@ -132,8 +132,15 @@ class ExactOps(TorchFunctionMode):
 
     @staticmethod
     def active() -> bool:
-        """Whether this thread is inside an `entered` block."""
-        return bool(getattr(_open, "depth", 0))
+        """Whether this thread runs under the mode: inside an `entered` block, or with an `ExactOps` on its
+        torch function mode stack. The second is how autograd's device threads see it: gradient
+        checkpointing recomputes a layer's forward there during the backward, with the caller's mode
+        stack (`_backward_in_mode` puts one on it) but not its thread-local ``entered`` count, and the
+        recomputation must take the fused modules' and FP8 linears' branches the forward took, or it
+        saves other tensors than the forward did (an H100 GRPO step failed so)."""
+        if getattr(_open, "depth", 0):
+            return True
+        return any(isinstance(mode, ExactOps) for mode in _get_current_function_mode_stack())
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
