@@ -21,8 +21,10 @@ takes ~9 s of single-thread CPU time.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
+import os
 import time
 from typing import Any, Sequence
 
@@ -37,6 +39,7 @@ __all__ = [
     "build_tiny_qwen2",
     "build_tiny_qwen3",
     "build_tiny_tokenizer",
+    "deterministic_algorithms",
     "evaluate_reward",
     "sample_completions",
     "warm_start",
@@ -333,6 +336,10 @@ def warm_start(
 
     The defaults, on `build_tiny_qwen3` and default arithmetic, take ~9 s of single-thread CPU
     time and lift the mean reward at temperature 1.0 from 0.0 to ~0.5 (docs/tasks.md).
+
+    On CUDA the steps run under `deterministic_algorithms`, so a seed's start has the same bits in
+    every process on the same GPU and software: a study can then spread one seed's runs over
+    separate device calls (each rebuilds the start) and still compare them from one start.
     """
     from tqdm.auto import tqdm
 
@@ -345,10 +352,24 @@ def warm_start(
     device, was_training = next(model.parameters()).device, model.training
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _lr_factor(s, steps))
-    generator = torch.Generator().manual_seed(seed)
-    losses: list[float] = []
     model.train()
     bar = tqdm(range(steps), desc=f"warm start ({task.name})", disable=not progress)
+    with deterministic_algorithms(device):
+        losses = _sft_steps(model, tokenizer, examples, bar, optimizer, scheduler, batch_size, seed, device)
+    model.train(was_training)
+    tail = losses[-min(10, len(losses)):]
+    return {
+        "steps": float(steps),
+        "seconds": time.perf_counter() - start_time,
+        "loss_start": losses[0],
+        "loss_end": sum(tail) / len(tail),
+        "num_examples": float(len(examples)),
+    }
+
+
+def _sft_steps(model, tokenizer, examples, bar, optimizer, scheduler, batch_size: int, seed: int, device) -> list[float]:
+    generator = torch.Generator().manual_seed(seed)
+    losses: list[float] = []
     for _ in bar:
         picks = torch.randint(len(examples), (batch_size,), generator=generator).tolist()
         ids, mask, labels = _collate([examples[i] for i in picks], tokenizer.pad_token_id, device)
@@ -361,12 +382,31 @@ def warm_start(
         scheduler.step()
         losses.append(loss.item())
         bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
-    model.train(was_training)
-    tail = losses[-min(10, len(losses)):]
-    return {
-        "steps": float(steps),
-        "seconds": time.perf_counter() - start_time,
-        "loss_start": losses[0],
-        "loss_end": sum(tail) / len(tail),
-        "num_examples": float(len(examples)),
-    }
+    return losses
+
+
+@contextlib.contextmanager
+def deterministic_algorithms(device):
+    """Torch's deterministic kernels for the block, on CUDA (a no-op elsewhere: CPU kernels already are).
+
+    Strict, not ``warn_only``: with ``warn_only`` the flash and memory-efficient attention backwards
+    keep their atomic (run-to-run varying) accumulation and only warn; strict mode switches them to
+    their deterministic variants. cuBLAS needs a fixed workspace for repeatable sums
+    (``CUBLAS_WORKSPACE_CONFIG``). Both settings are restored afterwards, so the GRPO runs that
+    follow keep torch's faster defaults.
+    """
+    if torch.device(device).type != "cuda":
+        yield
+        return
+    enabled, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    workspace = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+        if workspace is None:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+        else:
+            os.environ["CUBLAS_WORKSPACE_CONFIG"] = workspace

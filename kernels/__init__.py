@@ -63,7 +63,7 @@ __all__ = [
 _OPTIONAL = (
     "scaled_mm", "triton_gemm", "deepgemm", "triton_quant", "triton_norm", "triton_swiglu", "triton_decode_gemm",
     "triton_rope_append", "triton_sampling", "triton_invariant_matmul", "triton_exact_attention", "triton_row_sum",
-    "triton_exact_rmsnorm",
+    "triton_exact_rmsnorm", "triton_exact_rope",
 )
 _log = logging.getLogger(__name__)
 _loaded: dict[str, ModuleType] = {}

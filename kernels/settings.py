@@ -10,9 +10,9 @@ float8 modules each hold their config.
 * :class:`DecodeAttentionSettings`: held by the decode engine (``rollout/engine``).
 * :class:`TritonGemmSettings`: the portable Triton GEMM backend's tiles, an argument of
   ``triton_fp8_gemm_nt`` (the GEMM registry calls it with the defaults).
-* :class:`InvariantMatmulSettings`, :class:`ExactAttentionSettings` and :class:`RowSumSettings`: the
-  exact ops' kernels, held by ``jetrl_trainer.exact`` (one object each for both phases: their tiles
-  are part of the exact contract).
+* :class:`InvariantMatmulSettings`, :class:`ExactAttentionSettings`, :class:`RowSumSettings` and
+  :class:`ExactRopeSettings`: the exact ops' kernels, held by ``jetrl_trainer.exact`` (one object
+  each for both phases: their tiles are part of the exact contract).
 
 A benchmark that compares two settings builds two objects (``dataclasses.replace``). Pure Python:
 importing this module imports no Triton.
@@ -26,6 +26,7 @@ __all__ = [
     "DecodeAttentionSettings",
     "DecodeGemmSettings",
     "ExactAttentionSettings",
+    "ExactRopeSettings",
     "InvariantMatmulSettings",
     "QuantKernelSettings",
     "RowSumSettings",
@@ -256,3 +257,18 @@ class RowSumSettings:
         _positive(self, "block_k", "num_warps")
         if self.block_k & (self.block_k - 1):
             raise ValueError(f"RowSumSettings.block_k must be a power of two (a Triton block); got {self.block_k!r}.")
+
+
+@dataclass(frozen=True)
+class ExactRopeSettings:
+    """The exact RoPE (``kernels/triton_exact_rope.py``): one program per (position, head), no sums, so
+    no setting changes a bit. ``jetrl_trainer.exact`` holds the one both phases launch.
+
+    Parameters:
+        num_warps: Triton launch parameter (a program rotates one head vector).
+    """
+
+    num_warps: int = 1
+
+    def __post_init__(self) -> None:
+        _positive(self, "num_warps")

@@ -4,11 +4,11 @@ A torch function mode, so it reaches every module of the policy without replacin
 decoder code, peft's LoRA adapters and the LM head call ``F.linear`` / ``matmul`` /
 ``F.scaled_dot_product_attention``, and the RMSNorms ``x.mean(-1, keepdim=True)``; the mode routes those
 calls to `ops.py`. Our FP8 `QuantLinear` asks `ExactOps.active()` and runs a row-invariant FP8 product
-(quant/linear.py), and so do the Llama / Qwen2 / Qwen3 RMSNorm modules, whose forward `entered`
-wraps to run one fused kernel where Triton runs (norms.py). The engine, the scorer and the trainer
-open it around both phases, the rollout and the training forward (and the backward, where gradient
-checkpointing recomputes the forward), so both compute with one implementation per op; outside it
-nothing changes. Thread-local, as every torch function mode.
+(quant/linear.py), and so do the Llama / Qwen2 / Qwen3 RMSNorm modules and those models'
+``apply_rotary_pos_emb``, which `entered` wraps to run one fused kernel each where Triton runs
+(fused_modules.py). The engine, the scorer and the trainer open it around both phases, the rollout
+and the training forward (and the backward, where gradient checkpointing recomputes the forward), so
+both compute with one implementation per op; outside it nothing changes. Thread-local, as every torch function mode.
 
 Float64 products pass through untouched (the FP8 emulation's exact group sums), and so do integer ones.
 
@@ -27,11 +27,11 @@ from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 from jetrl_trainer._choices import FLOAT_DTYPES
 
-from .norms import install_fused_norms
+from .fused_modules import install_fused_modules
 from .ops import exact_attention, exact_linear, row_invariant_matmul, row_mean
 
 __all__ = ["ExactOps", "KVRoundtrip", "exact_sdpa"]
@@ -122,7 +122,7 @@ class ExactOps(TorchFunctionMode):
         if not enabled or depth:
             yield
             return
-        install_fused_norms()  # the RMSNorm modules' one-launch forward inside the mode (norms.py)
+        install_fused_modules()  # the RMSNorms' and RoPE's one-launch forms inside the mode (fused_modules.py)
         _open.depth, _open.kv_roundtrip = 1, kv_roundtrip
         try:
             with ExactOps(kv_roundtrip):
@@ -132,8 +132,15 @@ class ExactOps(TorchFunctionMode):
 
     @staticmethod
     def active() -> bool:
-        """Whether this thread is inside an `entered` block."""
-        return bool(getattr(_open, "depth", 0))
+        """Whether this thread runs under the mode: inside an `entered` block, or with an `ExactOps` on its
+        torch function mode stack. The second is how autograd's device threads see it: gradient
+        checkpointing recomputes a layer's forward there during the backward, with the caller's mode
+        stack (`_backward_in_mode` puts one on it) but not its thread-local ``entered`` count, and the
+        recomputation must take the fused modules' and FP8 linears' branches the forward took, or it
+        saves other tensors than the forward did (an H100 GRPO step failed so)."""
+        if getattr(_open, "depth", 0):
+            return True
+        return any(isinstance(mode, ExactOps) for mode in _get_current_function_mode_stack())
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -19,6 +19,8 @@ from each padded row's position 0. So these functions fix the shapes the hardwar
   kernel with the same structure (`kernels/triton_exact_attention.py`) computes it in both phases.
 * `row_mean`: the RMSNorm's mean of squares as a product with a ones column; where Triton runs,
   `rms_norm` replaces the whole Llama / Qwen2 / Qwen3 RMSNorm module by one fused kernel instead.
+* `rotary`: where Triton runs, the modeling modules' ``apply_rotary_pos_emb`` in one fused kernel with
+  the eager function's bits (element-wise, so there is no order to fix, only eager's roundings).
 * `log_probs` / `token_logprobs`: temperature and log-softmax, one row at a time, as the sampler
   and the training forward both call it.
 
@@ -39,7 +41,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from jetrl_trainer._choices import FLOAT_DTYPES
-from jetrl_trainer.kernels.settings import ExactAttentionSettings, InvariantMatmulSettings, RowSumSettings
+from jetrl_trainer.kernels.settings import (
+    ExactAttentionSettings,
+    ExactRopeSettings,
+    InvariantMatmulSettings,
+    RowSumSettings,
+)
 
 __all__ = [
     "KV_TILE",
@@ -49,6 +56,7 @@ __all__ = [
     "exact_linear",
     "log_probs",
     "rms_norm",
+    "rotary",
     "row_invariant_matmul",
     "row_mean",
     "straight_through",
@@ -62,6 +70,7 @@ _MASKED = torch.finfo(torch.float32).min  # finite, so a query with no key left 
 ATTENTION = ExactAttentionSettings()  # the CUDA attention kernel's tiles: both phases launch it with this one
 MATMUL = InvariantMatmulSettings()  # the CUDA matmul kernel's tiles: both phases launch it with this one
 ROW_SUM = RowSumSettings()  # the CUDA row-sum kernel's chunks: both phases launch it with this one
+ROPE = ExactRopeSettings()  # the CUDA RoPE kernel's launch: both phases launch it with this one
 
 
 def row_invariant_matmul(a: Tensor, b: Tensor) -> Tensor:
@@ -203,6 +212,55 @@ class _FusedRMSNorm(torch.autograd.Function):
             out = wd * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + ctx.eps)).to(x.dtype)
             dx, dw = torch.autograd.grad(out, (xd, wd), grad)
         return dx, dw, None
+
+
+def rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: int = 1) -> tuple[Tensor, Tensor] | None:
+    """transformers' ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)``, its eager bits, in one launch of
+    the fused kernel (`kernels/triton_exact_rope.py`) where Triton runs; None elsewhere, and for a layout
+    the kernel does not take, where the eager function runs. Both phases call it with the same dtypes
+    and layouts, so they take the same branch. Differentiable (`_FusedRotary`)."""
+    if not (_on_kernel_device(q) and all(t.device == q.device for t in (k, cos, sin))):
+        return None
+    module = _triton_rope()
+    if module is None or module.unsupported_reason(q, k, cos, sin, unsqueeze_dim) is not None:
+        return None
+    return _FusedRotary.apply(q, k, cos, sin, unsqueeze_dim)
+
+
+def _triton_rope():
+    from jetrl_trainer import kernels
+
+    return kernels.optional_module("triton_exact_rope") if kernels.triton_available() else None
+
+
+def _eager_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """The eager formula, ``x * cos + rotate_half(x) * sin`` (cos / sin unsqueezed), for the backward."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+class _FusedRotary(torch.autograd.Function):
+    """The kernel's forward; the backward is the eager formula's gradient, recomputed in torch (a
+    gradient need not be exact, only correct)."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: int) -> tuple[Tensor, Tensor]:
+        ctx.save_for_backward(q, k, cos, sin)
+        ctx.unsqueeze_dim = unsqueeze_dim
+        with torch._C.DisableTorchFunction():
+            return _triton_rope().exact_rope(q, k, cos, sin, unsqueeze_dim, ROPE)
+
+    @staticmethod
+    @_plain_torch  # the mode is on while autograd runs
+    def backward(ctx, grad_q: Tensor, grad_k: Tensor):
+        needs = ctx.needs_input_grad[:4]
+        with torch.enable_grad(), torch.autocast(grad_q.device.type, enabled=False):
+            q, k, cos, sin = (t.detach().requires_grad_(need) for t, need in zip(ctx.saved_tensors, needs))
+            c, s = cos.unsqueeze(ctx.unsqueeze_dim), sin.unsqueeze(ctx.unsqueeze_dim)
+            outputs = _eager_rotary(q, c, s), _eager_rotary(k, c, s)
+            wanted = [t for t, need in zip((q, k, cos, sin), needs) if need]
+            grads = iter(torch.autograd.grad(outputs, wanted, (grad_q, grad_k), allow_unused=True))
+        return (*(next(grads) if need else None for need in needs), None)
 
 
 def _on_kernel_device(x: Tensor) -> bool:

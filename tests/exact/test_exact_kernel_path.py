@@ -1,7 +1,7 @@
 """The exact contract through the CUDA attention kernel's wiring, in Triton's interpreter on CPU.
 
 Under ``TRITON_INTERPRET=1`` the exact ops run `kernels/triton_exact_attention.py` (and the RMSNorms'
-`kernels/triton_exact_rmsnorm.py`) on CPU tensors, as they do on CUDA: the training forward through the autograd Function (key runs read from the mask),
+`kernels/triton_exact_rmsnorm.py`, RoPE's `kernels/triton_exact_rope.py`) on CPU tensors, as they do on CUDA: the training forward through the autograd Function (key runs read from the mask),
 the engine's decode over its cache in place (slots, FP8 values and scales). The recorded log-probs
 must still be the training forward's bits, and the gradient must flow (the backward is torch's fused
 attention's, recomputed). The GPU runs the same wiring in tests/exact/test_exact_contract.py and test_exact_fp8_kv.py.
@@ -33,15 +33,17 @@ def test_the_kernel_path_keeps_the_contract(recipe, kv, monkeypatch):
             import jetrl_trainer.rollout.engine.attention as attention
 
             monkeypatch.setattr(attention, name, _counting(original, calls, key))
-    norms = {"calls": 0}
+    norms, ropes = {"calls": 0}, {"calls": 0}
     monkeypatch.setattr(ops._FusedRMSNorm, "apply", _counting(ops._FusedRMSNorm.apply, norms, "calls"))
+    monkeypatch.setattr(ops._FusedRotary, "apply", _counting(ops._FusedRotary.apply, ropes, "calls"))
     model = tiny_model("qwen3", recipe, torch.float32, "cpu", num_hidden_layers=1)
     tokens, recorded = rollout(model, autocast=NONE, prompts=PROMPTS, new_tokens=6, kv_cache_dtype=kv)
-    in_rollout = norms["calls"]
+    in_rollout, ropes_in_rollout = norms["calls"], ropes["calls"]
     assert_exact(model, tokens, recorded, autocast=NONE, device="cpu", prompts=PROMPTS, kv_cache_dtype=kv,
                  micro_batches=((True, 3),))  # fmt: skip
     assert calls["decode"] > 0 and calls["training"] > 0  # both phases ran the attention kernel
     assert 0 < in_rollout < norms["calls"]  # and the RMSNorms' fused kernel
+    assert 0 < ropes_in_rollout < ropes["calls"]  # and RoPE's
 
 
 @pytest.mark.interpreter

@@ -177,6 +177,42 @@ def test_entered_nests_without_stacking_a_second_mode():
         assert not ExactOps.active()
 
 
+def test_active_on_a_thread_that_has_the_mode_but_not_the_entered_count():
+    # Autograd's CUDA device thread during a checkpoint's recomputation: the caller's torch function mode
+    # stack (with the ExactOps `_backward_in_mode` pushes), none of its thread-locals. Simulated with a
+    # thread that pushes the mode itself, as the state propagation does.
+    import threading
+
+    seen = {}
+
+    def device_thread():
+        seen["before"] = ExactOps.active()
+        with ExactOps():
+            seen["with the mode"] = ExactOps.active()
+        seen["after"] = ExactOps.active()
+
+    with ExactOps.entered():
+        worker = threading.Thread(target=device_thread)
+        worker.start()
+        worker.join()
+    assert seen == {"before": False, "with the mode": True, "after": False}
+
+
+def test_a_checkpointed_backward_recomputes_under_the_mode():
+    # What the recomputation sees, on CPU (where autograd runs it on the calling thread): the same answer
+    # as the forward, so the fused modules and FP8 linears take the same branch in both.
+    seen = []
+
+    def layer(x):
+        seen.append(ExactOps.active())
+        return x.square()
+
+    x = torch.randn(4, 8, requires_grad=True)
+    with ExactOps.entered():
+        torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False).sum().backward()
+    assert seen == [True, True]
+
+
 def test_dropout_in_attention_is_refused():
     q = _rand(1, 2, 4, 8)
     with ExactOps(), pytest.raises(ValueError, match="attention_dropout"):

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -11,6 +15,7 @@ from jetrl_trainer.tiny import (
     build_tiny_llama,
     build_tiny_qwen3,
     build_tiny_tokenizer,
+    deterministic_algorithms,
     evaluate_reward,
     sample_completions,
     warm_start,
@@ -184,6 +189,60 @@ def test_warm_start_takes_reward_from_zero_to_clearly_positive(tok, one_thread):
 def test_warm_start_bad_arguments(tok):
     with pytest.raises(ValueError, match="steps"):
         warm_start(build_tiny_qwen3(tok), tok, get_task("arithmetic"), steps=0, progress=False)
+
+
+@pytest.mark.parametrize("workspace", [None, ":16:8"])
+def test_deterministic_algorithms_switch_torch_to_strict_mode_on_cuda_and_restore_it(monkeypatch, workspace):
+    # torch.device("cuda") needs no GPU: the settings are process-wide flags and a variable.
+    if workspace is None:
+        monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    else:
+        monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", workspace)
+    assert not torch.are_deterministic_algorithms_enabled()
+    with deterministic_algorithms("cuda"):
+        assert torch.are_deterministic_algorithms_enabled()
+        assert not torch.is_deterministic_algorithms_warn_only_enabled()  # warn_only keeps attention's atomics
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    assert not torch.are_deterministic_algorithms_enabled()
+    assert os.environ.get("CUBLAS_WORKSPACE_CONFIG") == workspace
+
+
+def test_deterministic_algorithms_leave_cpu_runs_and_errors_alone(monkeypatch):
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    with deterministic_algorithms(torch.device("cpu")):
+        assert not torch.are_deterministic_algorithms_enabled()
+        assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+    with pytest.raises(RuntimeError, match="inside"), deterministic_algorithms("cuda"):
+        raise RuntimeError("inside")
+    assert not torch.are_deterministic_algorithms_enabled()
+    assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+
+
+_WARM_START_FINGERPRINT = """
+from jetrl_trainer.study.runner import weights_fingerprint
+from jetrl_trainer.tasks import get_task
+from jetrl_trainer.tiny import build_tiny_qwen3, build_tiny_tokenizer, warm_start
+tok = build_tiny_tokenizer()
+model = build_tiny_qwen3(tok, seed=3, hidden_size=256, intermediate_size=768, num_hidden_layers=4).cuda()
+print("start", weights_fingerprint(model))
+warm_start(model, tok, get_task("arithmetic"), steps=40, batch_size=32, seed=3, progress=False, num_examples=512)
+print("warm", weights_fingerprint(model))
+"""
+
+
+@pytest.mark.gpu
+def test_a_cuda_warm_start_gives_the_same_bits_in_another_process():
+    # What lets a study split one seed's strategies over device calls: each call rebuilds the seed's
+    # start, and every run must begin from the same weights (the runs' start_fingerprint).
+    def fingerprints() -> dict[str, str]:
+        out = subprocess.run([sys.executable, "-c", _WARM_START_FINGERPRINT], capture_output=True, text=True,
+                             timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})  # fmt: skip
+        assert out.returncode == 0, out.stderr[-3000:]
+        return dict(line.split() for line in out.stdout.splitlines() if line.startswith(("start", "warm")))
+
+    first, second = fingerprints(), fingerprints()
+    assert first["start"] != first["warm"]  # the warm start moved the weights
+    assert first == second
 
 
 def test_trl_grpo_trainer_uses_the_template_and_task_columns(tok, tmp_path):

@@ -79,6 +79,13 @@ def is_gated_mlp(mlp: nn.Module) -> bool:
     return isinstance(mlp, FusedSwiGLUMLP) or type(mlp).__name__ in ("LlamaMLP", "Qwen2MLP", "Qwen3MLP")
 
 
+def _modeling_rope(module_name: str) -> Callable:
+    """``module_name``'s ``apply_rotary_pos_emb`` now, not when the view was built: `ExactOps` replaces it
+    by its fused wrapper when first entered (`jetrl_trainer.exact.fused_modules`), and the training
+    forward's attention modules read it at each call, so a decode must too or the phases compute apart."""
+    return sys.modules[module_name].apply_rotary_pos_emb
+
+
 @dataclass
 class DecoderView:
     """The pieces of one model the engine calls, and the shapes it needs to size its cache."""
@@ -89,7 +96,7 @@ class DecoderView:
     norm: nn.Module
     rotary: nn.Module
     lm_head: nn.Module
-    apply_rope: Callable
+    rope_module: str  # the modeling module whose ``apply_rotary_pos_emb`` `apply_rope` calls
     num_heads: int
     num_kv_heads: int
     head_dim: int
@@ -119,7 +126,7 @@ class DecoderView:
         return cls(
             model=base, embed=embed, layers=list(inner.layers), norm=inner.norm, rotary=inner.rotary_emb,
             lm_head=base.lm_head,
-            apply_rope=sys.modules[type(attn).__module__].apply_rotary_pos_emb,
+            rope_module=type(attn).__module__,
             num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads, head_dim=attn.head_dim,
             scaling=attn.scaling, dtype=embed.weight.dtype, device=embed.weight.device,
             qk_norms=[_fusable_qk_norms(layer.self_attn, embed.weight.dtype, attn.head_dim) for layer in inner.layers],
@@ -131,6 +138,10 @@ class DecoderView:
             down_groups=[GroupedProjection.of([layer.mlp.down_proj]) if hasattr(layer.mlp, "activation") else None
                          for layer in inner.layers],
         )  # fmt: skip
+
+    def apply_rope(self, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """The modeling module's ``apply_rotary_pos_emb``, as the attention modules call it."""
+        return _modeling_rope(self.rope_module)(q, k, cos, sin)
 
     def logits(self, hidden: Tensor) -> Tensor:
         """FP32 logits of ``hidden`` ``(..., hidden)`` (the LM head is never quantized)."""

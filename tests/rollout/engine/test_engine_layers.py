@@ -351,6 +351,22 @@ def _graphed_rollout_is_the_torch_paths(model, prompts, after_graphs=lambda: Non
         assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-2, rtol=0)
 
 
+def test_the_views_rope_is_the_modeling_modules_at_call_time(monkeypatch):
+    """`ExactOps` replaces the modeling module's ``apply_rotary_pos_emb`` when first entered, maybe after the
+    engine was built; the training forward's attention reads the module's global at each call, so the
+    decode must too (a view that kept the function it was built with decoded with the eager function
+    while the training forward ran the fused kernel)."""
+    from jetrl_trainer.rollout.engine.architecture import DecoderView
+    from transformers.models.qwen3 import modeling_qwen3
+
+    view = DecoderView.from_model(build_tiny_qwen3(tokenizer()))
+    calls = []
+    monkeypatch.setattr(modeling_qwen3, "apply_rotary_pos_emb", lambda *args: calls.append(args) or ("q", "k"))
+    q, k, cos, sin = torch.ones(1, 2, 1, 8), torch.ones(1, 1, 1, 8), torch.ones(1, 1, 8), torch.zeros(1, 1, 8)
+    assert view.apply_rope(q, k, cos, sin) == ("q", "k")
+    assert len(calls) == 1 and all(a is b for a, b in zip(calls[0], (q, k, cos, sin)))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
 def test_grouped_projections_run_and_keep_the_torch_paths_tokens(arch, monkeypatch):
