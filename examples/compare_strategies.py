@@ -129,7 +129,8 @@ class CompareArguments:
         default=None,
         metadata={"help": "A folder for each seed's warm-started model: the first process to need it builds and "
                           "saves it, the others load it, so processes run side by side start from the same bits "
-                          "(a GPU warm start is not bit-reproducible across processes). Tiny models only."},
+                          "and build it once (a LLaDA warm start on a GPU is not bit-reproducible across processes). "
+                          "Tiny models only."},
     )  # fmt: skip
     gpu: bool = field(
         default=False,

@@ -7,8 +7,8 @@ shuffles with the run seed) and draw from the same RNG stream. Finished runs are
 settings or another model is refused rather than mixed into the table.
 
 Each run records a fingerprint of the weights it started from. A resume rebuilds the model, and a
-GPU warm start is not bit-reproducible, so when the rebuilt start differs from the one a seed's
-finished runs used, the study says so (in the log and in ``study.md``) instead of hiding it.
+GPU warm start can come out with other bits (on another GPU or software; LLaDA's in any process), so
+when the rebuilt start differs from the one a seed's finished runs used, the study says so (in the log and in ``study.md``) instead of hiding it.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def run_study(
     runs = load_runs(output_dir, spec)
     for seed in mixed_start_seeds(runs):
         log(f"warning: seed {seed}'s rebuilt start differs from the one its finished runs began with (a GPU "
-            "warm start is not bit-reproducible); study.md marks the seed. Run a seed in one process, or let its "
+            "warm start can differ across GPUs, software, or for LLaDA across processes); study.md marks the seed. Run a seed in one process, or let its "
             "processes share a start_cache, to avoid it.")
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,9 +1,10 @@
 """A folder of warm-started weights, so that processes sharing a seed start from the same bits.
 
-A warm start on a GPU is not bit-reproducible from one process to the next (its backward adds with
-atomics), so the strategies or learning rates of one seed, run as parallel processes, would each
-begin from other weights. With a start cache, the first process that needs a seed's start builds
-it and saves it; the others wait on a lock and load it. The key is what the warm start depends on:
+The strategies or learning rates of one seed, run as parallel processes, would each spend the warm
+start's minutes, and a start that is not bit-reproducible (LLaDA's on a GPU: its backward adds with
+atomics; the autoregressive one runs under torch's deterministic algorithms) would give each other
+weights. With a start cache, the first process that needs a seed's start builds it and saves it;
+the others wait on a lock and load it. The key is what the warm start depends on:
 the model builder, the task, its difficulty, the warm-start pool and the completion budget, not
 the GRPO settings, so a learning-rate sweep shares its starts too.
 
