@@ -66,6 +66,31 @@ def _interpreter_scalar_loop_bounds(request, monkeypatch):
     yield
 
 
+@pytest.fixture(autouse=True)
+def _interpreter_dots_summed_in_an_order_k_fixes(request, monkeypatch):
+    """The interpreter's ``tl.dot`` is ``np.matmul``, a BLAS call whose summation order follows the tile's
+    shape: with numpy 2.4.6's OpenBLAS a wide tile's FP32 sums differed from a narrow one's, so the tests
+    that two launch shapes agree failed in the interpreter while passing on the H100. A GPU's MMA sums each
+    output over K in an order K alone fixes; ``np.einsum`` without BLAS sums each output over K in order,
+    so the interpreter's dots get that property (and their values, not the GPU's bits, as before)."""
+    if request.node.get_closest_marker("interpreter") is not None:
+        import numpy as np
+        import triton.language as tl
+        from triton.runtime import interpreter
+
+        def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+            a_data, b_data = a.data, b.data
+            if any(x.dtype.primitive_bitwidth == 8 and x.dtype.is_floating() for x in (a, b)):  # FP8: as Triton does
+                a_data = interpreter._convert_float(a_data, a.dtype, tl.float16, None).view(np.float16)
+                b_data = interpreter._convert_float(b_data, b.dtype, tl.float16, None).view(np.float16)
+            acc = d.data.dtype
+            product = np.einsum("...ik,...kj->...ij", a_data.astype(acc), b_data.astype(acc), optimize=False)
+            return interpreter.TensorHandle(product + d.data, d.dtype.scalar)
+
+        monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
+    yield
+
+
 @pytest.fixture
 def one_thread():
     # Models this small gain nothing from a second thread, and OpenMP threads that spin on a
