@@ -5,7 +5,8 @@ A random Qwen3 of Qwen3-8B's layer shapes (``--layers``), prompts of ``--prompt`
 tokens per sequence (8,192; 16,384 at fewer sequences). Every configuration decodes the same
 ``--sequences`` sequences (0: as many as fit, in one wave) through as many slots as its cache format fits in ``--kv-gib`` (default:
 the memory free once the configuration's weights exist, its FP8 weight cache included, less
-``--margin-gib`` for activations and graphs), a finished sequence's slot refilled by a waiting one, as
+``--margin-gib`` for activations and graphs, and with ``--card-gib`` less the memory this card has
+beyond a card of that size, so an H200 can stand in for an 80 GB H100), a finished sequence's slot refilled by a waiting one, as
 ``rollout_kv_cache_gib`` runs a rollout. Per configuration: the slots, the largest batch that fits
 that budget at 8k and 16k new tokens, tok/s, ms per decode step, peak memory, the KV cache's bytes,
 (CUDA) where a decode step's GPU time goes at mid-length, by kernel kind, and the unified mismatch of
@@ -112,13 +113,17 @@ def unified_mismatch(model, phase: str, kv_dtype: str, exact: bool, prompts, ids
 
 
 def free_budget(args) -> int:
-    """The KV budget: ``--kv-gib``, else the device's free memory less ``--margin-gib`` (1 GiB on CPU)."""
+    """The KV budget: ``--kv-gib``, else the device's free memory less ``--margin-gib`` (1 GiB on CPU) and,
+    with ``--card-gib``, less whatever this card holds beyond a card of that size: the figures for an 80 GB
+    H100 (79.1 GiB) can then be taken on an H200 (139.8 GiB)."""
     if args.kv_gib is not None:
         return int(args.kv_gib * 2**30)
     if args.device != "cuda":
         return 2**30
     torch.cuda.empty_cache()
-    return int(torch.cuda.mem_get_info()[0] - args.margin_gib * 2**30)
+    free, total = torch.cuda.mem_get_info()
+    beyond = 0 if getattr(args, "card_gib", None) is None else max(0, total - int(args.card_gib * 2**30))
+    return int(free - args.margin_gib * 2**30 - beyond)
 
 
 def run(name: str, model, args, budget_bytes: int | None = None) -> dict:
@@ -183,6 +188,8 @@ def main() -> None:
                     help="sequences every configuration decodes; 0: as many as each configuration's budget fits")
     ap.add_argument("--kv-gib", type=float, default=None, help="KV budget; default: free memory less --margin-gib")
     ap.add_argument("--margin-gib", type=float, default=8.0)
+    ap.add_argument("--card-gib", type=float, default=None,
+                    help="budget as on a card of this many GiB (79.1: an H100 80GB) where this card is larger")
     ap.add_argument("--mismatch-rows", type=int, default=2, help="sequences whose unified mismatch is measured (0: none)")
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list of {', '.join(CONFIGS)}")
     ap.add_argument("--shape", default="8b", choices=["8b", "tiny"], help="8b: Qwen3-8B layer shapes; tiny: CPU smoke")

@@ -52,3 +52,16 @@ def test_sequences_zero_decodes_as_many_as_each_configurations_budget_fits_in_on
     assert (bf16["slots"], bf16["sequences"], bf16["generated_tokens"]) == (3, 3, 3 * 4)
     assert fp8["slots"] == fp8["sequences"] == bench.slots_that_fit(model, "fp8", 12, budget) > 3
 
+
+
+def test_card_gib_takes_the_budget_a_smaller_card_would_leave(monkeypatch):
+    """On a 139.8 GiB card with 120 GiB free, ``--card-gib 79.1`` leaves what the 79.1 GiB card would:
+    120 - 8 (margin) - 60.7 (the memory beyond it); on a card no larger than that, nothing is taken."""
+    gib = 2**30
+    args = argparse.Namespace(kv_gib=None, device="cuda", margin_gib=8.0, card_gib=79.1)
+    monkeypatch.setattr(bench.torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(bench.torch.cuda, "mem_get_info", lambda: (120 * gib, int(139.8 * gib)))
+    assert bench.free_budget(args) == 120 * gib - 8 * gib - (int(139.8 * gib) - int(79.1 * gib))
+    monkeypatch.setattr(bench.torch.cuda, "mem_get_info", lambda: (60 * gib, int(79.1 * gib)))
+    assert bench.free_budget(args) == 52 * gib
+    assert bench.free_budget(argparse.Namespace(**{**vars(args), "card_gib": None})) == 52 * gib
