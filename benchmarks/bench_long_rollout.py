@@ -122,7 +122,7 @@ def free_budget(args) -> int:
         return 2**30
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info()
-    beyond = 0 if getattr(args, "card_gib", None) is None else max(0, total - int(args.card_gib * 2**30))
+    beyond = 0 if args.card_gib is None else max(0, total - int(args.card_gib * 2**30))
     return int(free - args.margin_gib * 2**30 - beyond)
 
 

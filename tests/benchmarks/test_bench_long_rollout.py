@@ -53,7 +53,6 @@ def test_sequences_zero_decodes_as_many_as_each_configurations_budget_fits_in_on
     assert fp8["slots"] == fp8["sequences"] == bench.slots_that_fit(model, "fp8", 12, budget) > 3
 
 
-
 def test_card_gib_takes_the_budget_a_smaller_card_would_leave(monkeypatch):
     """On a 139.8 GiB card with 120 GiB free, ``--card-gib 79.1`` leaves what the 79.1 GiB card would:
     120 - 8 (margin) - 60.7 (the memory beyond it); on a card no larger than that, nothing is taken."""
