@@ -7,6 +7,9 @@ the rotated query and key are the same bits as ``apply_rotary_pos_emb``. ``KV_FP
 value as FP8 with one scale per head vector, quantized from those model-dtype values exactly as
 ``quantize_fp8_groups(x, group=D)`` (the ``_triton_quant_jit`` functions). ``NORM`` first applies
 Qwen3's per-head q/k RMSNorm as ``rmsnorm_reference`` (the ``_triton_fused_jit`` tree).
+
+``kv_append_kernel`` is the append alone, for keys the model's own RoPE already rotated (the exact
+decode's ``KVCache.append``): the same stores, so the same bytes as ``fp8_kv_encode`` for an FP8 cache.
 """
 
 import triton
@@ -53,6 +56,8 @@ def _rotate(x_ptr, cos, sin, d, HALF: tl.constexpr, norm_w_ptr, eps, NORM: tl.co
 
 @triton.jit
 def _store_kv(cache_ptr, scale_ptr, x, d, KV_FP8: tl.constexpr):
+    """One head vector into the cache; FP8: ``quantize_fp8_groups(x, group=D)`` (``fp8_kv_encode``), the
+    scale ``max(amax, 1e-10) * fp32(1/448)``, the codes ``x / scale`` (IEEE division) cast to nearest even."""
     if KV_FP8:  # one group per head vector, as a (1, D) tile so the scale is a (1,) tensor
         xf = x.to(tl.float32)[None, :]
         scale = _scale_from_amax(_amax(xf, 1), False)
@@ -60,6 +65,17 @@ def _store_kv(cache_ptr, scale_ptr, x, d, KV_FP8: tl.constexpr):
         tl.store(scale_ptr + tl.arange(0, 1), scale)
     else:
         tl.store(cache_ptr + d, x)
+
+
+@triton.jit
+def _append_kv(k, v, d, slot, kv, pos, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+               stride_kcs, stride_kch, stride_kct, stride_vcs, stride_vch, stride_vct, stride_ss, stride_sh,
+               KV_FP8: tl.constexpr):  # fmt: skip
+    """Key and value head vectors ``kv`` stored at ``(slot, kv, pos)`` of the caches; a value whose dtype
+    is narrower than a BF16/FP16/FP32 cache's is widened by the store (exact)."""
+    scale_at = slot * stride_ss + kv * stride_sh + pos  # scales: (S, H_kv, T), unit stride along T
+    _store_kv(k_cache_ptr + slot * stride_kcs + kv * stride_kch + pos * stride_kct, k_scale_ptr + scale_at, k, d, KV_FP8)
+    _store_kv(v_cache_ptr + slot * stride_vcs + kv * stride_vch + pos * stride_vct, v_scale_ptr + scale_at, v, d, KV_FP8)
 
 
 @triton.jit
@@ -92,6 +108,26 @@ def rope_append_kernel(
         k = _rotate(k_ptr + b * stride_kb + kv * stride_kh, cos, sin, d, D // 2, k_norm_ptr, k_eps, NORM, LEVELS, dtype,
                     k_bias_ptr + kv * D, part_stride, SPLITS, HAS_BIAS)  # fmt: skip
         v = _head(v_ptr + b * stride_vb + kv * stride_vh, d, v_bias_ptr + kv * D, part_stride, dtype, SPLITS, HAS_BIAS)
-        scale_at = slot * stride_ss + kv * stride_sh + pos  # scales: (S, H_kv, T), unit stride along T
-        _store_kv(k_cache_ptr + slot * stride_kcs + kv * stride_kch + pos * stride_kct, k_scale_ptr + scale_at, k, d, KV_FP8)
-        _store_kv(v_cache_ptr + slot * stride_vcs + kv * stride_vch + pos * stride_vct, v_scale_ptr + scale_at, v, d, KV_FP8)
+        _append_kv(k, v, d, slot, kv, pos, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+                   stride_kcs, stride_kch, stride_kct, stride_vcs, stride_vch, stride_vct, stride_ss, stride_sh, KV_FP8)
+
+
+@triton.jit
+def kv_append_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, lengths_ptr, k_scale_ptr, v_scale_ptr,
+    stride_kb, stride_kh, stride_vb, stride_vh,
+    stride_kcs, stride_kch, stride_kct, stride_vcs, stride_vch, stride_vct, stride_ss, stride_sh,
+    D: tl.constexpr, KV_FP8: tl.constexpr,
+):
+    """The appends of ``rope_append_kernel`` without its RoPE: program (row ``b``, KV head ``h``) stores
+    the already-rotated key and the value of that head at position ``lengths[slots[b]]`` of the row's
+    slot (``KVCache.append``'s contract; the lengths are read here, so no gather launch precedes)."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    d = tl.arange(0, D)
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    pos = tl.load(lengths_ptr + slot).to(tl.int64)
+    k = tl.load(k_ptr + b * stride_kb + h * stride_kh + d)
+    v = tl.load(v_ptr + b * stride_vb + h * stride_vh + d)
+    _append_kv(k, v, d, slot, h, pos, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+               stride_kcs, stride_kch, stride_kct, stride_vcs, stride_vch, stride_vct, stride_ss, stride_sh, KV_FP8)

@@ -19,6 +19,9 @@ output                 rotated ``q`` [B, H, D], contiguous            same
 
 With FP8 caches (``float8_e4m3fn``, with their scales) the rotated key and the value are stored
 quantized, one scale per head vector: ``quantize_fp8_groups(x, group=D)`` of the model-dtype value.
+
+:func:`kv_append` is the append alone, for keys already rotated by the model's own RoPE: the exact
+decode's ``KVCache.append`` in one launch, the bytes of its torch ops (``fp8_kv_encode`` for FP8).
 """
 
 from __future__ import annotations
@@ -29,9 +32,11 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from jetrl_trainer._choices import FLOAT_DTYPES, check_choice
+
 from ._triton_support import call_op, load_jit
 
-__all__ = ["check_kv_scales", "rope_append", "rope_append_from_partials"]
+__all__ = ["check_kv_scales", "kv_append", "rope_append", "rope_append_from_partials"]
 
 _FP8 = torch.float8_e4m3fn
 
@@ -130,6 +135,47 @@ def rope_append_from_partials(
                    *_norm_args(qk_norms, D, cos.dtype), parts, *(biases or (None, None, None)))  # fmt: skip
 
 
+@torch.library.custom_op(
+    "jetrl::kv_append", mutates_args=("k_cache", "v_cache", "k_scale", "v_scale"), device_types="cuda"
+)
+def _kv_append_op(
+    k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, lengths: Tensor,
+    k_scale: Optional[Tensor], v_scale: Optional[Tensor],
+) -> None:  # fmt: skip
+    B, H_kv, D = k.shape
+    if B == 0:
+        return
+    jit = load_jit("_triton_rope_jit")
+    fp8 = k_scale is not None
+    caches = (k_cache.view(torch.uint8), v_cache.view(torch.uint8)) if fp8 else (k_cache, v_cache)
+    scales = (k_scale, v_scale) if fp8 else (lengths, lengths)  # unused pointers when not FP8
+    # One head vector per program, as rope_append: one warp, and no FMA contraction of the scale rule
+    jit.kv_append_kernel[(B, H_kv)](
+        k, v, *caches, slots, lengths, *scales, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0,
+        D=D, KV_FP8=fp8, num_warps=1, enable_fp_fusion=False,
+    )  # fmt: skip
+
+
+@_kv_append_op.register_fake
+def _(k, v, k_cache, v_cache, slots, lengths, k_scale, v_scale):
+    return None
+
+
+def kv_append(
+    k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, lengths: Tensor, *,
+    k_scale: Optional[Tensor] = None, v_scale: Optional[Tensor] = None,
+) -> None:  # fmt: skip
+    """Writes ``k`` and ``v`` ``[B, H_kv, D]`` (keys already rotated) at ``[slots[b], :, lengths[slots[b]]]``
+    of the caches ``[S, H_kv, T, D]``, ``lengths`` ``[S]`` (a ``KVCache``'s, read on the device and left
+    as they are): ``KVCache.append`` in one launch. FP8 caches get ``fp8_kv_encode``'s codes and scales;
+    other caches the values themselves, widened where the cache's dtype is wider (the prefill's
+    promoted dtype). The caller keeps each position below ``T``, as the engine sizes its cache."""
+    _check_append_operands(k, v, k_cache, v_cache, slots, lengths, k_scale, v_scale)
+    call_op(_kv_append_op, k, v, k_cache, v_cache, slots, lengths, k_scale, v_scale)
+
+
 def partial_views(parts: Tensor, heads: int, kv_heads: int, D: int) -> tuple[Tensor, Tensor, Tensor]:
     """Split 0 of grouped q/k/v partial sums as ``(B, heads, D)`` and two ``(B, kv_heads, D)`` views: the
     kernel reads split ``s`` at ``s * parts.stride(0)`` past each."""
@@ -142,15 +188,49 @@ def _check_operands(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k
     B, H, D = q.shape
     if q.device.type != "cuda":
         raise ValueError("rope_append is a CUDA kernel; on CPU the engine runs the model's own apply_rotary_pos_emb.")
-    if D & (D - 1) or D < 16 or k.shape != v.shape or k.shape[0] != B or k.shape[2] != D:
-        raise ValueError(f"need q (B, H, D), k / v (B, H_kv, D) with a power-of-two D >= 16; got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}.")  # fmt: skip
-    if cos.shape != (B, D) or sin.shape != (B, D) or k_cache.shape != v_cache.shape or k_cache.shape[3] != D:
-        raise ValueError(f"cos / sin must be (B, D) = {(B, D)} and the caches (S, H_kv, T, {D}); got "
-                         f"{tuple(cos.shape)}, {tuple(k_cache.shape)}.")  # fmt: skip
+    if k.shape != v.shape or k.shape[0] != B or k.shape[2] != D:
+        raise ValueError(f"need q (B, H, D), k / v (B, H_kv, D); got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}.")  # fmt: skip
+    if cos.shape != (B, D) or sin.shape != (B, D):
+        raise ValueError(f"cos / sin must be (B, D) = {(B, D)}; got {tuple(cos.shape)}, {tuple(sin.shape)}.")
+    if any(t.stride(-1) != 1 for t in (q, cos, sin)):
+        raise ValueError("q, cos and sin need unit stride along head_dim.")
+    _check_kv_layout(k, v, k_cache, v_cache, k_scale, v_scale)
+
+
+def _check_append_operands(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, lengths: Tensor,
+                           k_scale: Optional[Tensor], v_scale: Optional[Tensor]) -> None:  # fmt: skip
+    if any(t.device.type != "cuda" for t in (k, v, k_cache, v_cache, slots, lengths)):
+        raise ValueError("kv_append is a CUDA kernel; on CPU KVCache.append writes with torch ops.")
+    if k.dim() != 3 or k.shape != v.shape:
+        raise ValueError(f"k and v must both be (B, H_kv, D); got {tuple(k.shape)}, {tuple(v.shape)}.")
+    check_choice("k dtype", k.dtype, FLOAT_DTYPES)
+    check_choice("v dtype", v.dtype, FLOAT_DTYPES)
+    _check_kv_layout(k, v, k_cache, v_cache, k_scale, v_scale)
+    ints = (torch.int32, torch.int64)
+    if slots.shape != k.shape[:1] or lengths.shape != k_cache.shape[:1] or slots.dtype not in ints \
+            or lengths.dtype not in ints:  # fmt: skip
+        raise ValueError(f"slots must be ({k.shape[0]},) and lengths ({k_cache.shape[0]},), int32 or int64; got "
+                         f"{tuple(slots.shape)} {slots.dtype}, {tuple(lengths.shape)} {lengths.dtype}.")  # fmt: skip
+    if k_cache.dtype != _FP8 and any(torch.promote_types(x.dtype, k_cache.dtype) != k_cache.dtype for x in (k, v)):
+        raise ValueError(f"a {k_cache.dtype} cache cannot hold {k.dtype} / {v.dtype} keys / values without rounding "
+                         "them; KVCache.append only ever widens (the cache holds the prefill's promoted dtype).")
+
+
+def _check_kv_layout(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, k_scale: Optional[Tensor],
+                     v_scale: Optional[Tensor]) -> None:  # fmt: skip
+    """k / v ``(B, H_kv, D)`` into caches ``(S, H_kv, T, D)`` of one dtype (scales for FP8), D a power of two >= 16."""
+    H_kv, D = k.shape[1:]
+    if D & (D - 1) or D < 16:
+        raise ValueError(f"head_dim must be a power of two >= 16 for the kernel; got {D}.")
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.shape[1] != H_kv or k_cache.shape[3] != D:
+        raise ValueError(f"the caches must both be (S, {H_kv}, T, {D}) for k / v {tuple(k.shape)}; got "
+                         f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}.")  # fmt: skip
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"the caches must share a dtype; got {k_cache.dtype} / {v_cache.dtype}.")
     check_kv_scales(k_cache, v_cache, k_scale, v_scale)
-    if any(t.stride(-1) != 1 for t in (q, k, v, cos, sin, k_cache, v_cache)):
-        raise ValueError("q, k, v, cos, sin and the caches need unit stride along head_dim.")
+    if any(t.stride(-1) != 1 for t in (k, v, k_cache, v_cache)):
+        raise ValueError("k, v and the caches need unit stride along head_dim.")
 
 
 def _norm_args(qk_norms: Optional[tuple], D: int, dtype: torch.dtype) -> tuple:

@@ -152,6 +152,10 @@ def test_custom_op_fake_shapes_on_meta():
     assert q3.shape == (0, 520) and s3.shape == (0, 5)  # no consumer GEMM: y only
     out = torch.ops.jetrl.triton_fp8_gemm_nt(q, s, wq[:, :520], torch.empty(300, 5, device="meta"), False, torch.bfloat16)
     assert out.shape == (300, 300) and out.dtype == torch.bfloat16
+    kv, cache = torch.empty(4, 2, 64, device="meta"), torch.empty(5, 2, 9, 64, device="meta").to(torch.float8_e4m3fn)
+    slots, lengths = torch.empty(4, device="meta").long(), torch.empty(5, device="meta").long()
+    scales = torch.empty(5, 2, 9, device="meta")
+    assert torch.ops.jetrl.kv_append(kv, kv, cache, cache, slots, lengths, scales, scales) is None  # it only writes
 
 
 # -- on CUDA -------------------------------------------------------------------------------------------------
@@ -170,6 +174,8 @@ def test_custom_ops_pass_opcheck():
     launch = QuantKernelSettings()
     act, requant = (list(launch.act), list(launch.act_transposed)), (launch.requant_block_k, launch.requant_warps)
     weight, transpose = launch.weight_warps, list(launch.transpose)
+    fp8_kv_cache = [torch.zeros(4, 2, 16, 128, device="cuda").to(torch.float8_e4m3fn) for _ in range(2)]  # (S, H_kv, T, D)
+    fp8_kv_scales = [torch.ones(4, 2, 16, device="cuda") for _ in range(2)]
     cases = [
         (torch.ops.jetrl.act_quant_fp8.default, (x, 128, "fp32", *act)),
         (torch.ops.jetrl.act_quant_fp8.default, (x.t(), 128, "fp32", *act)),  # the transposed launch
@@ -183,6 +189,9 @@ def test_custom_ops_pass_opcheck():
         (torch.ops.jetrl.rmsnorm_quant_fp8.default, (x, torch.ones_like(x[0]), 1e-6, "fp32", True)),
         (torch.ops.jetrl.rmsnorm_quant_fp8.default, (x, torch.ones_like(x[0]), 1e-6, "fp32", False)),  # y only
         (torch.ops.jetrl.swiglu_quant_fp8.default, (x, x, "fp32")),
+        (torch.ops.jetrl.kv_append.default, (x[:3].view(3, 2, 128), x[3:6].view(3, 2, 128), *fp8_kv_cache,
+                                             torch.tensor([3, 0, 2], device="cuda"),
+                                             torch.tensor([5, 0, 15, 1], device="cuda"), *fp8_kv_scales)),
     ]
     for op, args in cases:
         # (opcheck's test_schema compares outputs with arithmetic that has no FP8 kernels)
@@ -241,6 +250,20 @@ def test_the_other_kernels_compile():
     ptx = compile_sm90(sampling.block_sums_fp64_kernel, dict(p_ptr="*fp32", out_ptr="*fp64"), dict(BLOCK=1024),
                        launch=dict(num_warps=4))  # fmt: skip
     assert "add.f64" in ptx or "add.rn.f64" in ptx
+
+
+@pytest.mark.sm90
+@pytest.mark.parametrize("fp8", [False, True])
+def test_kv_append_compiles(fp8):
+    """The KV append alone (``KVCache.append`` on CUDA): an FP8 cache through the quant kernels' saturating
+    cast and IEEE division (``fp8_kv_encode``'s bits); FP32 keys and BF16 values, as under autocast."""
+    rope = importlib.import_module("jetrl_trainer.kernels._triton_rope_jit")
+    cache, scale = ("*u8", "*fp32") if fp8 else ("*fp32", "*i64")  # not FP8: the scale pointers go unused
+    ptx = compile_sm90(rope.kv_append_kernel, dict(k_ptr="*fp32", v_ptr="*bf16", k_cache_ptr=cache, v_cache_ptr=cache,
+                                                   slots_ptr="*i64", lengths_ptr="*i64", k_scale_ptr=scale,
+                                                   v_scale_ptr=scale),
+                       dict(D=128, KV_FP8=fp8), launch=dict(num_warps=1, enable_fp_fusion=False))  # fmt: skip
+    assert ("cvt.rn.satfinite.e4m3x2.f32" in ptx and "div.rn.f32" in ptx) == fp8
 
 
 @pytest.mark.sm90

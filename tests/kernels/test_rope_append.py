@@ -1,7 +1,9 @@
 """RoPE + KV append in one launch (kernels/triton_rope_append.py): the same bits as transformers'
 eager ``apply_rotary_pos_emb`` and the engine's indexed cache append, for each supported family's
 rotary module (llama3 scaling included), on CUDA; refused on CPU; in Triton's interpreter, the writes of
-each row and the split-K reduction inside the launch. It compiles for sm_90 in test_kernels.py."""
+each row and the split-K reduction inside the launch. The append alone (``kv_append``, what
+``KVCache.append`` launches on CUDA): the bytes of the torch append, BF16 / FP32 / FP8 caches, on CUDA
+and in the interpreter. Both compile for sm_90 in test_kernels.py."""
 
 from __future__ import annotations
 
@@ -11,7 +13,10 @@ from transformers import LlamaConfig, Qwen3Config
 from transformers.models.llama import modeling_llama
 from transformers.models.qwen3 import modeling_qwen3
 
-from jetrl_trainer.kernels.triton_rope_append import rope_append
+from jetrl_trainer.kernels.triton_rope_append import kv_append, rope_append
+from jetrl_trainer.quant.testing import assert_bits_equal
+from jetrl_trainer.rollout.engine import kv_cache
+from jetrl_trainer.rollout.engine.kv_cache import KVCache
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -21,6 +26,63 @@ def test_refuses_cpu_tensors():
     cache = torch.zeros(3, 2, 8, 32)
     with pytest.raises(ValueError, match="CUDA kernel"):
         rope_append(q, k, k, torch.ones(2, 32), torch.zeros(2, 32), cache, cache, torch.arange(2), torch.zeros(2, dtype=torch.long))
+
+
+def test_kv_append_refuses_cpu_tensors():
+    k, cache = torch.randn(2, 2, 32), torch.zeros(3, 2, 8, 32)
+    with pytest.raises(ValueError, match="CUDA kernel; on CPU KVCache.append writes with torch ops"):
+        kv_append(k, k, cache, cache, torch.arange(2), torch.zeros(3, dtype=torch.long))
+
+
+# -- the append alone: a KVCache's layer written by the kernel and by the torch ops -----------------------
+
+# (cache dtype, key dtype, value dtype): a BF16 cache; the exact decode's under autocast (keys FP32, values
+# BF16, the cache their promoted FP32); FP8 caches encoded from either
+APPEND_CASES = [
+    ("bf16", torch.bfloat16, torch.bfloat16), ("fp32", torch.float32, torch.bfloat16),
+    ("fp8", torch.bfloat16, torch.bfloat16), ("fp8", torch.float32, torch.bfloat16),
+]  # fmt: skip
+SLOTS = [4, 0, 5, 2]  # of 6: out of order, and a partial batch (slots 1 and 3 are not written)
+
+
+def _filled_cache(device, cache: str, kv_heads: int, head_dim: int, seed: int) -> KVCache:
+    """A 2-layer cache of 6 slots and 9 positions holding random bytes (so that any stray write shows),
+    with random lengths below 9, one of them 8 (the last position) and one 0."""
+    dtype = torch.float32 if cache == "fp32" else torch.bfloat16
+    made = KVCache(num_layers=2, num_slots=6, max_len=9, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
+                   device=device, fp8=cache == "fp8")  # fmt: skip
+    g = torch.Generator().manual_seed(seed)
+    for t in (made.k, made.v, made.k_scale, made.v_scale):
+        if t is not None:
+            t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape, generator=g, dtype=torch.uint8))
+    lengths = torch.randint(0, 9, (6,), generator=g)
+    lengths[SLOTS[:2]] = torch.tensor([8, 0])
+    made.lengths.copy_(lengths)
+    return made
+
+
+def _new_rows(dtype: torch.dtype, kv_heads: int, head_dim: int, seed: int, specials: bool) -> torch.Tensor:
+    """Keys or values ``(4, kv_heads, head_dim)`` over six decades, with an all-zero head vector, -0.0, a
+    tiny vector (codes in the FP8 subnormals) and two FP8 rounding traps; ``specials`` adds NaN, Inf
+    and FP32 subnormals."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(len(SLOTS), kv_heads, head_dim, generator=g) * torch.logspace(-3, 3, len(SLOTS))[:, None, None]
+    x[0, 0] = 0.0
+    x[1, 0, :2] = torch.tensor([-0.0, 1e-4])
+    x[2, -1] *= 1e-6
+    x[2, 0, :2] = torch.tensor([448.0, 84.0])  # scale 1.0, code 84: a tie, 80 to nearest even (88 away from zero)
+    if dtype == torch.float32:  # scale s: 0.094431184 / s is 15.5 exactly (16), times fp32(1 / s) 15.499999 (15)
+        x[1, 0, 2:4] = torch.tensor([2.7293658, 0.094431184])
+    if specials:
+        x[1, -1, 0], x[3, 0, 1], x[3, -1, 2] = float("nan"), float("inf"), -float("inf")
+        x[2, 0, 3:6] = torch.tensor([1e-39, -2e-40, 3e-45])
+    return x.to(dtype)
+
+
+def _assert_same_cache(got: KVCache, want: KVCache) -> None:
+    for name in ("k", "v", "k_scale", "v_scale", "lengths"):
+        if getattr(want, name) is not None:
+            assert_bits_equal(getattr(got, name), getattr(want, name), name)
 
 
 FAMILIES = {
@@ -166,6 +228,29 @@ def test_from_partials_gives_the_bits_of_the_grouped_gemm_then_rope(norms, bias,
     assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
 
 
+@pytest.mark.gpu
+@CUDA
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("cache, k_dtype, v_dtype", APPEND_CASES)
+def test_kv_cache_append_on_cuda_writes_the_torch_appends_bits(cache, k_dtype, v_dtype, head_dim, monkeypatch):
+    """``KVCache.append`` on CUDA (the fused launch) writes the bytes its torch ops write (values, FP8
+    codes and scales): what the exact contract's training forward reads back (``fp8_kv_encode``)."""
+    from jetrl_trainer import kernels
+
+    if not kernels.triton_available():
+        pytest.skip("needs Triton")
+    kv_heads = 8 if head_dim == 128 else 2
+    k = _new_rows(k_dtype, kv_heads, head_dim, seed=1, specials=True).cuda()
+    v = _new_rows(v_dtype, kv_heads, head_dim, seed=2, specials=True).cuda()
+    slots = torch.tensor(SLOTS, device="cuda")
+    fused, torch_ops = (_filled_cache("cuda", cache, kv_heads, head_dim, seed=head_dim) for _ in range(2))
+    assert kv_cache._kv_append_kernel(k) is not None  # the fused launch runs here
+    fused.append(1, slots, k, v)
+    monkeypatch.setattr(kv_cache, "_kv_append_kernel", lambda x: None)
+    torch_ops.append(1, slots, k, v)
+    _assert_same_cache(fused, torch_ops)
+
+
 # -- in Triton's interpreter on CPU tensors (TRITON_INTERPRET=1 pytest -m interpreter) -----------------------
 
 # Triton's interpreter rounds FP32 -> BF16 toward zero where the GPU rounds to nearest even (2.6856
@@ -235,3 +320,46 @@ def test_rope_append_from_partials_gives_the_bits_of_reducing_first(splits, bias
     assert got.dtype == dtype and torch.equal(got, want)
     assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
     assert not torch.equal(caches[2], torch.full_like(caches[2], 7.0))  # the keys were written
+
+
+@pytest.fixture
+def fp8_cast_as_on_the_gpu(monkeypatch):
+    """Triton 3.6's interpreter casts FP32 -> FP8 E4M3 rounding half away from zero and truncating in
+    the subnormals (tests/conftest.py), where sm_90's ``cvt.rn.satfinite.e4m3x2.f32`` (the kernels'
+    cast, checked in their PTX) rounds to nearest even and saturates at ±448. Here that cast is
+    torch's: a clamp to ±448, then ``.to(float8_e4m3fn)``. So the interpreter tests check the FP8
+    bytes of everything the kernel computes before the cast (scale rule, division, indexing); the GPU
+    test checks the cast too."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    convert = interpreter._convert_float
+
+    def as_on_the_gpu(x, from_dtype, to_dtype, rounding):
+        if from_dtype != tl.float32 or to_dtype != tl.float8e4nv:
+            return convert(x, from_dtype, to_dtype, rounding)
+        fp32 = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+        return fp32.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+
+    monkeypatch.setattr(interpreter, "_convert_float", as_on_the_gpu)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("head_dim, kv_heads", [(64, 1), (64, 2), (128, 4), (128, 8)])
+@pytest.mark.parametrize("cache, k_dtype, v_dtype", APPEND_CASES)
+def test_kv_append_writes_the_torch_appends_bytes(cache, k_dtype, v_dtype, head_dim, kv_heads, fp8_cast_as_on_the_gpu):
+    """The kernel (the op's launch code) writes one layer of a ``KVCache`` at each row's slot and length,
+    byte for byte as the torch ``KVCache.append`` does (BF16 / FP32 values, FP8 codes and scales), for
+    slots out of order in a partial batch, and nothing else."""
+    from jetrl_trainer.kernels import triton_rope_append as kernel
+
+    k = _new_rows(k_dtype, kv_heads, head_dim, seed=kv_heads, specials=False)
+    v = _new_rows(v_dtype, kv_heads, head_dim, seed=kv_heads + 1, specials=False)
+    slots = torch.tensor(SLOTS)
+    launched, torch_ops = (_filled_cache("cpu", cache, kv_heads, head_dim, seed=head_dim) for _ in range(2))
+    torch_ops.append(1, slots, k, v)  # CPU tensors: the torch ops
+    scales = (launched.k_scale[1], launched.v_scale[1]) if launched.fp8 else (None, None)
+    kernel._kv_append_op._init_fn(k, v, launched.k[1], launched.v[1], slots, launched.lengths, *scales)
+    _assert_same_cache(launched, torch_ops)
+    assert not torch.equal(torch_ops.k, _filled_cache("cpu", cache, kv_heads, head_dim, seed=head_dim).k)  # written

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from jetrl_trainer import kernels
 from jetrl_trainer.quant.fp8 import FP8_DTYPE, dequantize_fp8_groups, quantize_fp8_groups
 
 __all__ = ["FP8KVRoundtrip", "KVCache", "fp8_kv_encode", "fp8_kv_roundtrip", "kv_roundtrip"]
@@ -132,7 +133,14 @@ class KVCache:
 
     def append(self, layer: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
         """Write one new token per row (``k``, ``v``: ``(B, kv_heads, head_dim)``) at ``lengths[slots]``."""
-        self._write((layer, slots, slice(None), self.lengths[slots]), self.encode(k), self.encode(v))
+        fused = _kv_append_kernel(k)
+        if fused is None:
+            self._write((layer, slots, slice(None), self.lengths[slots]), self.encode(k), self.encode(v))
+            return
+        # The exact decode appends every layer's keys through here: in torch ops an FP8 append is about
+        # a dozen small launches (the encoding, then the indexed writes), one launch fused, the same bytes.
+        scales = dict(k_scale=self.k_scale[layer], v_scale=self.v_scale[layer]) if self.fp8 else {}
+        fused(k, v, self.k[layer], self.v[layer], slots, self.lengths, **scales)
 
     def read(self, layer: int, slots: Tensor, length: int | None = None,
              dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:  # fmt: skip
@@ -147,3 +155,13 @@ class KVCache:
             dequantize_fp8_groups(x, s[layer, slots, :, positions][..., None], x.shape[-1], dtype or self.dtype)
             for x, s in ((k, self.k_scale), (v, self.v_scale))
         )
+
+
+def _kv_append_kernel(x: Tensor):
+    """`kernels.triton_rope_append.kv_append` where it runs, for keys or values like ``x``: CUDA tensors,
+    Triton installed, a head_dim the kernel tiles (a power of two >= 16); None elsewhere (torch ops)."""
+    head_dim = x.shape[-1]
+    if not x.is_cuda or not kernels.triton_available() or head_dim < 16 or head_dim & (head_dim - 1):
+        return None
+    module = kernels.optional_module("triton_rope_append")
+    return None if module is None else module.kv_append
