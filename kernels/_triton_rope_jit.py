@@ -115,7 +115,7 @@ def rope_append_kernel(
 @triton.jit
 def kv_append_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, lengths_ptr, k_scale_ptr, v_scale_ptr,
-    stride_kb, stride_kh, stride_vb, stride_vh,
+    stride_slot, stride_length, stride_kb, stride_kh, stride_vb, stride_vh,
     stride_kcs, stride_kch, stride_kct, stride_vcs, stride_vch, stride_vct, stride_ss, stride_sh,
     D: tl.constexpr, KV_FP8: tl.constexpr,
 ):
@@ -125,8 +125,9 @@ def kv_append_kernel(
     b = tl.program_id(0)
     h = tl.program_id(1)
     d = tl.arange(0, D)
-    slot = tl.load(slots_ptr + b).to(tl.int64)
-    pos = tl.load(lengths_ptr + slot).to(tl.int64)
+    # The engine's slots are a column of its step inputs (a strided view): index by stride, not by 1
+    slot = tl.load(slots_ptr + b * stride_slot).to(tl.int64)
+    pos = tl.load(lengths_ptr + slot * stride_length).to(tl.int64)
     k = tl.load(k_ptr + b * stride_kb + h * stride_kh + d)
     v = tl.load(v_ptr + b * stride_vb + h * stride_vh + d)
     _append_kv(k, v, d, slot, h, pos, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,

@@ -151,7 +151,8 @@ def _kv_append_op(
     scales = (k_scale, v_scale) if fp8 else (lengths, lengths)  # unused pointers when not FP8
     # One head vector per program, as rope_append: one warp, and no FMA contraction of the scale rule
     jit.kv_append_kernel[(B, H_kv)](
-        k, v, *caches, slots, lengths, *scales, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k, v, *caches, slots, lengths, *scales, slots.stride(0), lengths.stride(0), k.stride(0), k.stride(1),
+        v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0,
         D=D, KV_FP8=fp8, num_warps=1, enable_fp_fusion=False,

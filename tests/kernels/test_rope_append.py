@@ -346,20 +346,57 @@ def fp8_cast_as_on_the_gpu(monkeypatch):
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("strided_slots", [False, True])
 @pytest.mark.parametrize("head_dim, kv_heads", [(64, 1), (64, 2), (128, 4), (128, 8)])
 @pytest.mark.parametrize("cache, k_dtype, v_dtype", APPEND_CASES)
-def test_kv_append_writes_the_torch_appends_bytes(cache, k_dtype, v_dtype, head_dim, kv_heads, fp8_cast_as_on_the_gpu):
+def test_kv_append_writes_the_torch_appends_bytes(cache, k_dtype, v_dtype, head_dim, kv_heads, strided_slots,
+                                                  fp8_cast_as_on_the_gpu):  # fmt: skip
     """The kernel (the op's launch code) writes one layer of a ``KVCache`` at each row's slot and length,
     byte for byte as the torch ``KVCache.append`` does (BF16 / FP32 values, FP8 codes and scales), for
-    slots out of order in a partial batch, and nothing else."""
+    slots out of order in a partial batch, and nothing else; the slots also as the engine passes them,
+    a column of its step inputs (a view with a stride of 4: read with unit stride it wrote out of bounds)."""
     from jetrl_trainer.kernels import triton_rope_append as kernel
 
     k = _new_rows(k_dtype, kv_heads, head_dim, seed=kv_heads, specials=False)
     v = _new_rows(v_dtype, kv_heads, head_dim, seed=kv_heads + 1, specials=False)
     slots = torch.tensor(SLOTS)
+    if strided_slots:
+        slots = torch.stack([slots, slots + 100, slots + 200, slots + 300], dim=1)[:, 0]
+        assert slots.stride() == (4,)
     launched, torch_ops = (_filled_cache("cpu", cache, kv_heads, head_dim, seed=head_dim) for _ in range(2))
     torch_ops.append(1, slots, k, v)  # CPU tensors: the torch ops
     scales = (launched.k_scale[1], launched.v_scale[1]) if launched.fp8 else (None, None)
     kernel._kv_append_op._init_fn(k, v, launched.k[1], launched.v[1], slots, launched.lengths, *scales)
     _assert_same_cache(launched, torch_ops)
     assert not torch.equal(torch_ops.k, _filled_cache("cpu", cache, kv_heads, head_dim, seed=head_dim).k)  # written
+
+
+@pytest.mark.interpreter
+def test_the_engines_decode_through_the_fused_append_gives_the_torch_appends_tokens(monkeypatch):
+    """The engine's torch decode path with ``KVCache.append`` launching the kernel (in the interpreter, as
+    CUDA would) decodes the tokens of the torch append: the operands as the engine really passes them."""
+    from transformers import GenerationConfig
+
+    from jetrl_trainer.kernels import triton_rope_append as kernel
+    from jetrl_trainer.rollout.engine import DecodeEngine, EngineSettings
+    from jetrl_trainer.rollout.engine import kv_cache
+    from jetrl_trainer.tiny import build_tiny_qwen3, build_tiny_tokenizer
+
+    model = build_tiny_qwen3(build_tiny_tokenizer()).eval()
+    prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14], [5, 6, 7, 8, 9]]
+    config = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=[-1])
+
+    def decode():
+        engine = DecodeEngine(model, settings=EngineSettings(decode_path="torch"))
+        return engine.generate(prompts, config, eos_token_ids=[-1], seed=0, pad_token_id=0)[0]
+
+    expected = decode()
+    launches = []
+
+    def launch(k, v, k_cache, v_cache, slots, lengths, k_scale=None, v_scale=None):
+        launches.append(slots.stride())
+        kernel._kv_append_op._init_fn(k, v, k_cache, v_cache, slots, lengths, k_scale, v_scale)
+
+    monkeypatch.setattr(kv_cache, "_kv_append_kernel", lambda x: launch)
+    assert decode() == expected
+    assert launches  # the kernel ran, every layer of every step
