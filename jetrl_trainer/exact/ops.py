@@ -240,19 +240,30 @@ def _eager_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class _FusedRotary(torch.autograd.Function):
-    """The kernel's forward; the backward is the eager formula's gradient, recomputed in torch (a
-    gradient need not be exact, only correct)."""
+    """The kernel's forward; a gradient need not be exact, only correct, so the backward is torch's.
+    For q and k it is the formula's transpose, which needs only cos and sin: q and k are saved only in
+    the rare case that cos or sin want a gradient, which autograd then recomputes through the eager formula."""
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: int) -> tuple[Tensor, Tensor]:
-        ctx.save_for_backward(q, k, cos, sin)
-        ctx.unsqueeze_dim = unsqueeze_dim
+        ctx.tables_need_grad = any(ctx.needs_input_grad[2:4])
+        ctx.save_for_backward(*((q, k) if ctx.tables_need_grad else ()), cos, sin)
+        ctx.unsqueeze_dim, ctx.dtypes = unsqueeze_dim, (q.dtype, k.dtype)
         with torch._C.DisableTorchFunction():
             return _triton_rope().exact_rope(q, k, cos, sin, unsqueeze_dim, ROPE)
 
     @staticmethod
     @_plain_torch  # the mode is on while autograd runs
     def backward(ctx, grad_q: Tensor, grad_k: Tensor):
+        if ctx.tables_need_grad:
+            return (*_FusedRotary._recomputed_grads(ctx, grad_q, grad_k), None)
+        cos, sin = (t.unsqueeze(ctx.unsqueeze_dim) for t in ctx.saved_tensors)
+        grads = (_rotary_transpose(g, cos, sin).to(dtype) if need and g is not None else None
+                 for g, need, dtype in zip((grad_q, grad_k), ctx.needs_input_grad[:2], ctx.dtypes))
+        return (*grads, None, None, None)
+
+    @staticmethod
+    def _recomputed_grads(ctx, grad_q: Tensor, grad_k: Tensor) -> tuple:
         needs = ctx.needs_input_grad[:4]
         with torch.enable_grad(), torch.autocast(grad_q.device.type, enabled=False):
             q, k, cos, sin = (t.detach().requires_grad_(need) for t, need in zip(ctx.saved_tensors, needs))
@@ -260,7 +271,15 @@ class _FusedRotary(torch.autograd.Function):
             outputs = _eager_rotary(q, c, s), _eager_rotary(k, c, s)
             wanted = [t for t, need in zip((q, k, cos, sin), needs) if need]
             grads = iter(torch.autograd.grad(outputs, wanted, (grad_q, grad_k), allow_unused=True))
-        return (*(next(grads) if need else None for need in needs), None)
+        return tuple(next(grads) if need else None for need in needs)
+
+
+def _rotary_transpose(grad: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """The eager formula's gradient with respect to x: ``grad * cos + rotate_half^T(grad * sin)``, where
+    rotate_half^T(y) = cat(y2, -y1) undoes rotate_half's (-x2, x1)."""
+    half = grad.shape[-1] // 2
+    scaled = grad * sin
+    return grad * cos + torch.cat((scaled[..., half:], -scaled[..., :half]), dim=-1)
 
 
 def _on_kernel_device(x: Tensor) -> bool:

@@ -118,6 +118,31 @@ def test_the_mode_runs_it_for_the_attention_and_differentiates_it(monkeypatch):
     assert all(torch.allclose(g, x.grad, rtol=1e-5, atol=1e-5) for g, x in zip(grads, (q, k, cos, sin)))
 
 
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.interpreter),
+                                    pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_its_gradient_for_q_and_k_keeps_only_cos_and_sin(dtype, device):
+    """With tables that want no gradient (every model's case), the backward is the formula's transpose:
+    it packs cos and sin for backward, not q and k, and its gradients match the eager formula's."""
+    from jetrl_trainer.exact import ExactOps
+
+    q, k = (x.requires_grad_() for x in _qk(2, 6, (4, 2), 64, dtype, device))
+    cos, sin = _cos_sin(2, 6, 64, dtype, device)
+    weights = torch.linspace(-1.0, 1.0, 64, dtype=dtype, device=device)
+    packed = []
+    with ExactOps.entered(), torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+        got = modeling_qwen3.apply_rotary_pos_emb(q, k, cos, sin)
+    assert len(packed) == 2 and all(any(p is t for t in (cos, sin)) for p in packed)
+    sum(((x * weights).sum() for x in got), torch.zeros((), dtype=dtype, device=device)).backward()
+    grads = [q.grad, k.grad]
+    q.grad = k.grad = None
+    expected = modeling_qwen3.apply_rotary_pos_emb(q, k, cos, sin)
+    sum(((x * weights).sum() for x in expected), torch.zeros((), dtype=dtype, device=device)).backward()
+    tolerance = 1e-6 if dtype == torch.float32 else 1e-2
+    assert all(g.dtype == dtype and torch.allclose(g, x.grad, rtol=tolerance, atol=tolerance)
+               for g, x in zip(grads, (q, k)))
+
+
 @pytest.mark.sm90
 def test_it_compiles_for_sm90():
     from _sm90 import compile_sm90
