@@ -36,7 +36,7 @@ from jetrl_trainer._choices import FLOAT_DTYPES, check_choice
 
 from ._triton_support import call_op, load_jit
 
-__all__ = ["check_kv_scales", "kv_append", "rope_append", "rope_append_from_partials"]
+__all__ = ["check_kv_scales", "kv_append", "rope_append", "rope_append_from_partials", "tiles_head_dim"]
 
 _FP8 = torch.float8_e4m3fn
 
@@ -218,11 +218,16 @@ def _check_append_operands(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tenso
                          "them; KVCache.append only ever widens (the cache holds the prefill's promoted dtype).")
 
 
+def tiles_head_dim(d: int) -> bool:
+    """Whether the kernels here tile a head_dim of ``d`` (one power-of-two tile of at least 16)."""
+    return d >= 16 and not d & (d - 1)
+
+
 def _check_kv_layout(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, k_scale: Optional[Tensor],
                      v_scale: Optional[Tensor]) -> None:  # fmt: skip
     """k / v ``(B, H_kv, D)`` into caches ``(S, H_kv, T, D)`` of one dtype (scales for FP8), D a power of two >= 16."""
     H_kv, D = k.shape[1:]
-    if D & (D - 1) or D < 16:
+    if not tiles_head_dim(D):
         raise ValueError(f"head_dim must be a power of two >= 16 for the kernel; got {D}.")
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.shape[1] != H_kv or k_cache.shape[3] != D:
         raise ValueError(f"the caches must both be (S, {H_kv}, T, {D}) for k / v {tuple(k.shape)}; got "

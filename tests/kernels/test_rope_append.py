@@ -34,6 +34,13 @@ def test_kv_append_refuses_cpu_tensors():
         kv_append(k, k, cache, cache, torch.arange(2), torch.zeros(3, dtype=torch.long))
 
 
+def test_the_head_dims_the_kernels_tile():
+    """The one rule the kernels' checks and ``KVCache.append``'s routing (torch ops otherwise) share."""
+    from jetrl_trainer.kernels.triton_rope_append import tiles_head_dim
+
+    assert [d for d in (8, 16, 48, 64, 96, 128, 256) if tiles_head_dim(d)] == [16, 64, 128, 256]
+
+
 # -- the append alone: a KVCache's layer written by the kernel and by the torch ops -----------------------
 
 # (cache dtype, key dtype, value dtype): a BF16 cache; the exact decode's under autocast (keys FP32, values

@@ -160,8 +160,7 @@ class KVCache:
 def _kv_append_kernel(x: Tensor):
     """`kernels.triton_rope_append.kv_append` where it runs, for keys or values like ``x``: CUDA tensors,
     Triton installed, a head_dim the kernel tiles (a power of two >= 16); None elsewhere (torch ops)."""
-    head_dim = x.shape[-1]
-    if not x.is_cuda or not kernels.triton_available() or head_dim < 16 or head_dim & (head_dim - 1):
+    if not x.is_cuda or not kernels.triton_available():
         return None
     module = kernels.optional_module("triton_rope_append")
-    return None if module is None else module.kv_append
+    return module.kv_append if module is not None and module.tiles_head_dim(x.shape[-1]) else None
