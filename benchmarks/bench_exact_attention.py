@@ -10,7 +10,9 @@ FP8 one (E4M3 values, one FP32 scale per position and head). Two kernels read th
   launches it (one program per row and KV head walking every key in order; the training forward's
   arithmetic), its products in FP32 FMA (``ExactAttentionSettings(dot="fp32")``);
 * ``exact_bf16``: the same with the products on tensor cores (``dot="bf16"``; what the shipped
-  ``dot="auto"`` runs for a BF16 model's queries, as here).
+  ``dot="auto"`` runs for a BF16 model's queries, as here);
+* ``exact_bf16_split{N}`` for each ``N`` of ``--splits``: the same with ``split_keys=N``, each row's
+  keys in splits of ``N`` positions, one program each, merged in order by a second launch.
 
 Per case: microseconds per call (median), the bytes of live K, V and scales read, and GB/s. The exact
 kernel has no split, so with few rows it leaves SMs idle; this measures where that costs.
@@ -18,10 +20,12 @@ kernel has no split, so with few rows it leaves SMs idle; this measures where th
 ``--training BxS,...``: one layer's attention in a training micro-batch of ``B`` sequences of ``S``
 positions (causal, the first row left-padded by an eighth), BF16: the exact forward (the kernel) and
 its backward (torch's fused SDPA backward after recomputing its forward), beside the plain training
-forward's attention, SDPA with the padding mask, forward and backward (``plain_fwd_bwd``).
+forward's attention, SDPA with the padding mask, forward and backward (``plain_fwd_bwd``); and the
+exact forward with each ``--splits`` value (``exact_fwd_split{N}``), which the training forward
+would run too wherever the decode does.
 
 Usage: ``python benchmarks/bench_exact_attention.py [--rows 8,64] [--lengths 1024,4096,8192,16384]``;
-``python benchmarks/bench_exact_attention.py --training 4x800,1x8448``.
+``python benchmarks/bench_exact_attention.py --training 4x800,1x8448``; ``--splits 512,1024`` (or ``""``).
 """
 
 from __future__ import annotations
@@ -56,7 +60,7 @@ def live_bytes(c: dict) -> int:
     return sum(t.numel() * t.element_size() for name, t in c.items() if name != "q")
 
 
-def run_case(rows: int, length: int, fp8: bool) -> dict:
+def run_case(rows: int, length: int, fp8: bool, splits: tuple[int, ...] = ()) -> dict:
     import dataclasses
     from functools import partial
 
@@ -76,18 +80,24 @@ def run_case(rows: int, length: int, fp8: bool) -> dict:
         **{f"exact_{dot}": partial(exact_attention, q4, c["k"], c["v"], first, last, scale,
                                    dataclasses.replace(ATTENTION, dot=dot), kv_rows=slots, **scales)
            for dot in ("fp32", "bf16")},
-    }
+        **{f"exact_bf16_split{n}": partial(exact_attention, q4, c["k"], c["v"], first, last, scale,
+                                           dataclasses.replace(ATTENTION, dot="bf16", split_keys=n), kv_rows=slots,
+                                           **scales)
+           for n in splits},
+    }  # fmt: skip
     n_bytes = live_bytes(c)
     result = dict(rows=rows, length=length, kv="fp8" if fp8 else "bf16", live_mib=round(n_bytes / 2**20, 1))
     for name, fn in calls.items():
         us = 1e3 * bench_ms(fn)
         result[name] = dict(us=round(us, 1), gb_per_s=round(n_bytes / (us * 1e-6) / 1e9, 1))
-    for name in ("exact_fp32", "exact_bf16"):
+    for name in ("exact_fp32", "exact_bf16", *(f"exact_bf16_split{n}" for n in splits)):
         result[f"{name}_over_split_kv"] = round(result[name]["us"] / result["split_kv"]["us"], 2)
     return result
 
 
-def run_training_case(batch: int, positions: int) -> dict:
+def run_training_case(batch: int, positions: int, splits: tuple[int, ...] = ()) -> dict:
+    import dataclasses
+
     from jetrl_trainer.exact import ops
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -116,7 +126,10 @@ def run_training_case(batch: int, positions: int) -> dict:
         "exact_fwd": lambda: ops._triton_attention().exact_attention(q, k, v, first, last, scale, settings),
         "exact_bwd": lambda: ops._fused_backward(q, k, v, first, last, grad, scale, bf16_dot=bf16_dot),
         "plain_fwd_bwd": plain_fwd_bwd,
-    }
+        **{f"exact_fwd_split{n}": (lambda split=dataclasses.replace(settings, split_keys=n):
+                                   ops._triton_attention().exact_attention(q, k, v, first, last, scale, split))
+           for n in splits},
+    }  # fmt: skip
     result = dict(batch=batch, positions=positions)
     for name, fn in calls.items():
         result[name] = dict(ms=round(bench_ms(fn), 3))
@@ -131,11 +144,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--lengths", default="1024,4096,8192,16384", help="comma list: live positions per row")
     ap.add_argument("--kv", default="bf16,fp8", help="comma list of cache formats: bf16, fp8")
     ap.add_argument("--training", default="", help="comma list of BxS: the training attention instead of decode")
+    ap.add_argument("--splits", default="512,1024,2048",
+                    help="comma list of ExactAttentionSettings.split_keys to time beside the whole-row kernel")  # fmt: skip
     args = ap.parse_args(argv)
+    splits = tuple(int(n) for n in args.splits.split(",") if n)
     result = dict(benchmark="exact_attention", env=environment(), args=vars(args), cases=[])
     if args.training:
         for shape in args.training.split(","):
-            case = run_training_case(*map(int, shape.split("x")))
+            case = run_training_case(*map(int, shape.split("x")), splits)
             print(case, flush=True)
             result["cases"].append(case)
             torch.cuda.empty_cache()
@@ -144,7 +160,7 @@ def main(argv: list[str] | None = None) -> dict:
     for kv in args.kv.split(","):
         for rows in map(int, args.rows.split(",")):
             for length in map(int, args.lengths.split(",")):
-                case = run_case(rows, length, kv == "fp8")
+                case = run_case(rows, length, kv == "fp8", splits)
                 print(case, flush=True)
                 result["cases"].append(case)
                 torch.cuda.empty_cache()

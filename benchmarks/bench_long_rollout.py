@@ -23,6 +23,7 @@ Usage: ``python benchmarks/bench_long_rollout.py [--new 8192] [--sequences 64] [
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 import torch
@@ -194,11 +195,18 @@ def main() -> None:
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list of {', '.join(CONFIGS)}")
     ap.add_argument("--shape", default="8b", choices=["8b", "tiny"], help="8b: Qwen3-8B layer shapes; tiny: CPU smoke")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--exact-split-keys", type=int, default=None,
+                    help="the exact attention's split_keys for the exact configurations' decode and training forward "
+                         "alike (ExactAttentionSettings; default: the shipped one)")  # fmt: skip
     args = ap.parse_args()
     names = args.configs.split(",")
     unknown = sorted(set(names) - set(CONFIGS))
     if unknown:
         raise SystemExit(f"unknown --configs {unknown}; choose from {', '.join(CONFIGS)}")
+    if args.exact_split_keys is not None:  # both phases read this one object at each call
+        from jetrl_trainer.exact import ops
+
+        ops.ATTENTION = dataclasses.replace(ops.ATTENTION, split_keys=args.exact_split_keys)
     model = build(args)
     result = dict(benchmark="long_rollout", env=environment(), args=vars(args))
     for name in names:

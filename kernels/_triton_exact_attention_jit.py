@@ -10,22 +10,30 @@ the same bits. ``M`` (rows) and the key bounds are not specialized on.
 
 ``BF16_DOT``: the two products on tensor cores (BF16 operands, FP32 sums) instead of FP32 FMA; a row's
 bits then depend on the tile shape, which both phases share, as before.
+
+``SPLIT`` (keys per split, a multiple of ``BLOCK_N``; 0: none): the keys of a row run in splits of
+``SPLIT`` positions counted from its first real key, each in its own program (grid axis 2) from an empty
+state, which it writes out; `exact_attention_combine_kernel` then merges a row's splits in order. The
+split boundaries depend on the row's first key only, never on the batch or the cache's size, so a query
+gets the same bits in a decode step and in a training forward; what the split buys is programs: a decode
+step of few rows over long contexts otherwise runs one program per row and KV head.
 """
 
 import triton
 import triton.language as tl
 
 
-@triton.jit(do_not_specialize=["S", "T", "ROWS"])
+@triton.jit(do_not_specialize=["S", "T", "ROWS", "SPLITS"])
 def exact_attention_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, first_ptr, last_ptr, kv_rows_ptr, k_scale_ptr, v_scale_ptr, S, T, ROWS,
+    q_ptr, k_ptr, v_ptr, out_ptr, first_ptr, last_ptr, kv_rows_ptr, k_scale_ptr, v_scale_ptr, part_m_ptr,
+    part_sum_ptr, part_acc_ptr, S, T, ROWS, SPLITS,
     scale,
     stride_qb, stride_qh, stride_qs, stride_qd, stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_vd, stride_ob, stride_oh, stride_os, stride_od,
     stride_lb, stride_ls, stride_sb, stride_sh, stride_st,
     GROUP: tl.constexpr, HEADS_KV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, KV_ROWS: tl.constexpr, SCALED: tl.constexpr,
-    BF16_DOT: tl.constexpr,
+    BF16_DOT: tl.constexpr, SPLIT: tl.constexpr,
 ):
     # KV_ROWS: batch row b reads keys/values at kv_rows[b] (the engine's cache slots); SCALED: FP8 keys
     # and values with one FP32 scale per (row, KV head, position), read as q * scale in FP32: the
@@ -54,7 +62,11 @@ def exact_attention_kernel(
     v_base = v_ptr + kv_b * stride_vb + kv_head * stride_vh
     scale_base = kv_b * stride_sb + kv_head * stride_sh
     n = tl.arange(0, BLOCK_N).to(tl.int64)
-    for start in range(first, stop, BLOCK_N):
+    lo = first
+    if SPLIT > 0:  # this program's split of the keys; an empty range leaves the empty state
+        lo = first + tl.program_id(2) * SPLIT
+        stop = tl.minimum(stop, lo + SPLIT)
+    for start in range(lo, stop, BLOCK_N):
         t = start + n
         t_ok = t < T
         k = tl.load(k_base + t[None, :] * stride_kt + d[:, None] * stride_kd, mask=d_ok[:, None] & t_ok[None, :],
@@ -81,6 +93,53 @@ def exact_attention_kernel(
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         total = total * alpha + tl.sum(p, axis=1)
         m = m_new
+    if SPLIT > 0:  # the split's state, at (batch row, head, position, split), for the combine kernel
+        part = ((b * HEADS_KV * GROUP + head) * S + pos) * SPLITS + tl.program_id(2)
+        tl.store(part_m_ptr + part, m, mask=live)
+        tl.store(part_sum_ptr + part, total, mask=live)
+        tl.store(part_acc_ptr + part[:, None] * D + d[None, :], acc, mask=live[:, None] & d_ok[None, :])
+    else:
+        out = tl.where(total[:, None] > 0, acc / total[:, None], 0.0)  # a query with no key (padding): 0, not NaN
+        o = out_ptr + b * stride_ob + head[:, None] * stride_oh + pos[:, None] * stride_os + d[None, :] * stride_od
+        tl.store(o, out.to(out_ptr.dtype.element_ty), mask=live[:, None] & d_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["S", "QUERIES", "SPLITS"])
+def exact_attention_combine_kernel(
+    part_m_ptr, part_sum_ptr, part_acc_ptr, out_ptr, first_ptr, last_ptr, S, QUERIES, SPLITS,
+    stride_ob, stride_oh, stride_os, stride_od, stride_lb, stride_ls,
+    HEADS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT: tl.constexpr,
+):  # fmt: skip
+    """Each query's splits merged in order, split 0 first: ``BLOCK_R`` queries (batch row, head, position)
+    per program. A query merges only its own splits (as many as its keys fill), with one instruction
+    sequence whatever the other queries hold, so its bits do not depend on the batch either."""
+    MASKED: tl.constexpr = -3.4028234663852886e38
+    r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    live = r < QUERIES
+    b = r // (HEADS * S)
+    head = (r // S) % HEADS
+    pos = r % S
+    d = tl.arange(0, BLOCK_D).to(tl.int64)
+    d_ok = d < D
+    first = tl.load(first_ptr + b, mask=live, other=0)
+    last = tl.load(last_ptr + b * stride_lb + pos * stride_ls, mask=live, other=-1)
+    own = tl.where(last >= first, (last - first) // SPLIT + 1, 0)  # the query's splits
+    base = r * SPLITS
+    m = tl.load(part_m_ptr + base, mask=live, other=MASKED)
+    total = tl.load(part_sum_ptr + base, mask=live, other=0.0)
+    acc = tl.load(part_acc_ptr + base[:, None] * D + d[None, :], mask=live[:, None] & d_ok[None, :], other=0.0)
+    for split in range(1, SPLITS):
+        take = live & (split < own)
+        m_s = tl.load(part_m_ptr + base + split, mask=take, other=MASKED)
+        sum_s = tl.load(part_sum_ptr + base + split, mask=take, other=0.0)
+        acc_s = tl.load(part_acc_ptr + (base + split)[:, None] * D + d[None, :], mask=take[:, None] & d_ok[None, :],
+                        other=0.0)  # fmt: skip
+        m_new = tl.maximum(m, m_s)
+        alpha = tl.exp(m - m_new)
+        beta = tl.exp(m_s - m_new)
+        acc = tl.where(take[:, None], acc * alpha[:, None] + acc_s * beta[:, None], acc)
+        total = tl.where(take, total * alpha + sum_s * beta, total)
+        m = tl.where(take, m_new, m)
     out = tl.where(total[:, None] > 0, acc / total[:, None], 0.0)  # a query with no key (padding): 0, not NaN
-    o = out_ptr + b * stride_ob + head[:, None] * stride_oh + pos[:, None] * stride_os + d[None, :] * stride_od
+    o = out_ptr + b[:, None] * stride_ob + head[:, None] * stride_oh + pos[:, None] * stride_os + d[None, :] * stride_od
     tl.store(o, out.to(out_ptr.dtype.element_ty), mask=live[:, None] & d_ok[None, :])

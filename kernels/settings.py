@@ -180,6 +180,12 @@ class ExactAttentionSettings:
             All keep the contract (both phases run the same instructions under the same autocast).
             Measured on an H100 (docs/performance.md): the tensor-core products are 20-100x faster
             than FP32 FMA and as fast as the split-KV decode kernel, 1k-16k positions.
+        split_keys: each query's keys run in splits of this many positions from its row's first key,
+            one program each, merged in order by a second launch (a multiple of ``block_n``; 0: one
+            program walks all of a row's keys). The split plan is fixed by the key positions alone,
+            so both phases keep the same bits; it gives a decode step of few rows over long contexts
+            more programs, at the price of the states written out and the merge.
+        combine_rows: queries per program of the merge launch.
     """
 
     block_m: int = 16
@@ -187,11 +193,16 @@ class ExactAttentionSettings:
     num_warps: int = 4
     num_stages: int = 2
     dot: str = "auto"
+    split_keys: int = 0
+    combine_rows: int = 16
 
     def __post_init__(self) -> None:
-        _positive(self, "block_m", "block_n", "num_warps", "num_stages")
+        _positive(self, "block_m", "block_n", "num_warps", "num_stages", "combine_rows")
         if self.dot not in ("auto", "fp32", "bf16"):
             raise ValueError(f"ExactAttentionSettings.dot must be 'auto', 'fp32' or 'bf16'; got {self.dot!r}.")
+        if self.split_keys < 0 or self.split_keys % self.block_n:
+            raise ValueError(f"ExactAttentionSettings.split_keys must be 0 or a positive multiple of block_n "
+                             f"({self.block_n}); got {self.split_keys}.")  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,10 @@
 """Exact attention for CUDA: each query's bits depend on its own keys and values only.
 
 The kernel (`_triton_exact_attention_jit.py`) is what `jetrl_trainer.exact.exact_attention` runs on
-CUDA, in the prefill, every decode step and the training forward alike: one launch per call, where the
-torch version launches a dozen kernels per 64-key tile (a decode step over 8k positions: 1,500 per
-layer). Its arithmetic is its own (``tl.exp``, its dot instructions), not the torch version's, so one
-device runs one of the two in both phases.
+CUDA, in the prefill, every decode step and the training forward alike: one launch per call (two with
+``split_keys``: the splits, then their merge), where the torch version launches a dozen kernels per
+64-key tile (a decode step over 8k positions: 1,500 per layer). Its arithmetic is its own (``tl.exp``,
+its dot instructions), not the torch version's, so one device runs one of the two in both phases.
 """
 
 from __future__ import annotations
@@ -60,13 +60,32 @@ def exact_attention(
     scale_strides = k_scale.stride() if scaled else (0, 0, 0)
     if scaled and v_scale.stride() != k_scale.stride():
         raise ValueError("exact_attention: k_scale and v_scale must have the same strides.")
-    grid = (cdiv(rows, settings.block_m), b * h_kv)
-    load_jit("_triton_exact_attention_jit").exact_attention_kernel[grid](
-        q, k, v, out, first, last, rows_index, k_scale if scaled else first, v_scale if scaled else first, s, t, rows,
+    jit = load_jit("_triton_exact_attention_jit")
+    block_d = max(16, 1 << (d - 1).bit_length())
+    split = settings.split_keys
+    # The splits cover the longest run a row can hold (t keys): a graph captured for the cache's size
+    # launches them all, and a split past a row's keys leaves an empty state that its merge skips.
+    splits = cdiv(t, split) if split else 1
+    if split:
+        part_m = torch.empty(b * h * s * splits, dtype=torch.float32, device=q.device)
+        part_sum = torch.empty_like(part_m)
+        part_acc = torch.empty(b * h * s * splits, d, dtype=torch.float32, device=q.device)
+    else:
+        part_m = part_sum = part_acc = out  # not read
+    grid = (cdiv(rows, settings.block_m), b * h_kv, splits)
+    jit.exact_attention_kernel[grid](
+        q, k, v, out, first, last, rows_index, k_scale if scaled else first, v_scale if scaled else first, part_m,
+        part_sum, part_acc, s, t, rows, splits,
         float(scale), *q.stride(), *k.stride(), *v.stride(), *out.stride(), *last.stride(), *scale_strides,
-        GROUP=h // h_kv, HEADS_KV=h_kv, D=d, BLOCK_D=max(16, 1 << (d - 1).bit_length()), BLOCK_M=settings.block_m,
+        GROUP=h // h_kv, HEADS_KV=h_kv, D=d, BLOCK_D=block_d, BLOCK_M=settings.block_m,
         BLOCK_N=settings.block_n, KV_ROWS=kv_rows is not None, SCALED=scaled,
-        BF16_DOT=uses_tensor_cores(settings, q.dtype),
+        BF16_DOT=uses_tensor_cores(settings, q.dtype), SPLIT=split,
         num_warps=settings.num_warps, num_stages=settings.num_stages,
     )  # fmt: skip
+    if split:
+        queries = b * h * s
+        jit.exact_attention_combine_kernel[(cdiv(queries, settings.combine_rows),)](
+            part_m, part_sum, part_acc, out, first, last, s, queries, splits, *out.stride(), *last.stride(),
+            HEADS=h, D=d, BLOCK_D=block_d, BLOCK_R=settings.combine_rows, SPLIT=split,
+        )  # fmt: skip
     return out

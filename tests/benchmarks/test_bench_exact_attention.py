@@ -27,6 +27,7 @@ def test_both_kernels_time_the_same_attention(fp8):
     exact = exact_attention(c["q"][:, :, None], c["k"], c["v"], torch.zeros(4, dtype=torch.long, device="cuda"),
                             (lengths - 1)[:, None], 0.088, ATTENTION, kv_rows=slots, **scales)[:, :, 0]  # fmt: skip
     assert torch.allclose(split.float(), exact.float(), atol=2e-2, rtol=2e-2)
-    result = bench.main(["--rows", "4", "--lengths", "1024", "--kv", "fp8" if fp8 else "bf16"])
+    result = bench.main(["--rows", "4", "--lengths", "1024", "--kv", "fp8" if fp8 else "bf16", "--splits", "512"])
     case = result["cases"][0]
-    assert all(case[name]["us"] > 0 for name in ("split_kv", "exact_fp32", "exact_bf16")) and case["live_mib"] > 0
+    names = ("split_kv", "exact_fp32", "exact_bf16", "exact_bf16_split512")
+    assert all(case[name]["us"] > 0 for name in names) and case["live_mib"] > 0

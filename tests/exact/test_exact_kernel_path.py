@@ -23,7 +23,11 @@ PROMPTS = [[5, 6, 7, 8, 9], [10, 11], list(range(20, 90)), [5, 6, 7, 8, 9]]
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize(("recipe", "kv"), [("bf16", "auto"), ("fp8", "fp8")])
-def test_the_kernel_path_keeps_the_contract(recipe, kv, monkeypatch):
+@pytest.mark.parametrize("split_keys", [0, 64], ids=["whole", "split64"])  # the 70-token prompt: two splits
+def test_the_kernel_path_keeps_the_contract(recipe, kv, split_keys, monkeypatch):
+    import dataclasses
+
+    monkeypatch.setattr(ops, "ATTENTION", dataclasses.replace(ops.ATTENTION, split_keys=split_keys))
     calls = {"training": 0, "decode": 0}
     for name, key in (("_KernelAttention", "training"), ("exact_attention_over_runs", "decode")):
         original = getattr(ops, name)

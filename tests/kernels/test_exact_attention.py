@@ -20,10 +20,15 @@ DEVICE_DOTS = [pytest.param("cpu", "fp32", marks=pytest.mark.interpreter, id="cp
                *(pytest.param("cuda", dot, marks=pytest.mark.gpu, id=f"cuda-{dot}") for dot in DOTS)]  # fmt: skip
 
 
-def _settings(dot):
+# ExactAttentionSettings.split_keys: one program per row's keys, or splits of 128 keys (two tiles; the
+# sequences below hold up to 200, so rows run one to three splits and some split is partly empty)
+SPLITS = [pytest.param(0, id="whole"), pytest.param(128, id="split128")]
+
+
+def _settings(dot, split_keys=0):
     from jetrl_trainer.kernels.settings import ExactAttentionSettings
 
-    return ExactAttentionSettings(dot=dot)
+    return ExactAttentionSettings(dot=dot, split_keys=split_keys)
 
 
 def _reference(q, k, v, first, last, scale):
@@ -47,12 +52,13 @@ def _causal(b, s, pads, device):
 
 @pytest.mark.parametrize(("device", "dot"), DEVICE_DOTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_decode_query_has_the_bits_of_the_same_query_in_the_sequence(device, dtype, dot):
+@pytest.mark.parametrize("split", SPLITS)
+def test_a_decode_query_has_the_bits_of_the_same_query_in_the_sequence(device, dtype, dot, split):
     from functools import partial
 
     from jetrl_trainer.kernels.triton_exact_attention import exact_attention
 
-    exact_attention = partial(exact_attention, settings=_settings(dot))
+    exact_attention = partial(exact_attention, settings=_settings(dot, split))
 
     b, h, h_kv, s, d = 3, 8, 2, 150, 64
     q, k, v = (_rand(b, n, s, d, dtype=dtype, device=device, seed=i) for i, n in enumerate((h, h_kv, h_kv)))
@@ -78,7 +84,8 @@ def test_a_decode_query_has_the_bits_of_the_same_query_in_the_sequence(device, d
 
 @pytest.mark.parametrize(("device", "dot"), DEVICE_DOTS)
 @pytest.mark.parametrize("fp8", [False, True])
-def test_the_cache_in_place_gives_the_bits_of_its_values_read_out(device, fp8, dot):
+@pytest.mark.parametrize("split", SPLITS)
+def test_the_cache_in_place_gives_the_bits_of_its_values_read_out(device, fp8, dot, split):
     """A decode step over the engine's cache (``kv_rows`` picking slots, FP8 values with their scales)
     equals the same step over the rows' keys and values read out (FP8: `fp8_kv_roundtrip`'s FP32 values),
     which is what the training forward's attention reads."""
@@ -97,37 +104,44 @@ def test_the_cache_in_place_gives_the_bits_of_its_values_read_out(device, fp8, d
     q = _rand(3, h, 1, d, dtype=torch.bfloat16, device=device, seed=99)
     first, last = torch.zeros(3, dtype=torch.long, device=device), (lengths - 1)[:, None]
     scales = dict(k_scale=cache.k_scale[0], v_scale=cache.v_scale[0]) if fp8 else {}
-    in_place = exact_attention(q, cache.k[0], cache.v[0], first, last, 0.125, _settings(dot), kv_rows=rows, **scales)
+    settings = _settings(dot, split)
+    in_place = exact_attention(q, cache.k[0], cache.v[0], first, last, 0.125, settings, kv_rows=rows, **scales)
     keys, values = cache.read(0, rows, dtype=torch.float32)
-    read_out = exact_attention(q, keys, values, first, last, 0.125, _settings(dot))
+    read_out = exact_attention(q, keys, values, first, last, 0.125, settings)
     assert torch.equal(in_place, read_out)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("positions", [1024, 4096, 8192, 16384])
 @pytest.mark.parametrize("dot", DOTS)
-def test_long_contexts_against_the_reference(positions, dot):
+@pytest.mark.parametrize("split", [pytest.param(0, id="whole"), pytest.param(1024, id="split1024")])
+def test_long_contexts_against_the_reference(positions, dot, split):
+    from functools import partial
+
     from jetrl_trainer.kernels.triton_exact_attention import exact_attention
+
+    exact_attention = partial(exact_attention, settings=_settings(dot, split))
 
     b, h, h_kv, d = 2, 32, 8, 128
     k, v = (_rand(b, h_kv, positions, d, dtype=torch.bfloat16, device="cuda", seed=i) for i in (1, 2))
     q = _rand(b, h, 4, d, dtype=torch.bfloat16, device="cuda")  # the last 4 positions' queries
     first = torch.tensor([0, 300], device="cuda")
     last = torch.arange(positions - 4, positions, device="cuda")[None].expand(b, 4).contiguous()
-    out = exact_attention(q, k, v, first, last, d**-0.5, _settings(dot))
+    out = exact_attention(q, k, v, first, last, d**-0.5)
     assert torch.allclose(out.double(), _reference(q, k, v, first, last, d**-0.5), atol=2e-2)
-    one = exact_attention(q[:, :, -1:], k, v, first, last[:, -1:], d**-0.5, _settings(dot))
+    one = exact_attention(q[:, :, -1:], k, v, first, last[:, -1:], d**-0.5)
     assert torch.equal(one, out[:, :, -1:])
 
 
 @pytest.mark.parametrize(("device", "dot"), DEVICE_DOTS)
-def test_the_exact_ops_run_it_and_differentiate_it(device, dot, monkeypatch):
+@pytest.mark.parametrize("split", [pytest.param(0, id="whole"), pytest.param(64, id="split64")])
+def test_the_exact_ops_run_it_and_differentiate_it(device, dot, split, monkeypatch):
     """`jetrl_trainer.exact.exact_attention` through the kernel (CUDA; CPU in the interpreter): its
     forward (padding queries give 0, not NaN), and its flash-style backward's gradients against
     autograd through the torch version, with GQA, left padding and tiles of 64 keys."""
     from jetrl_trainer.exact import ops
 
-    monkeypatch.setattr(ops, "ATTENTION", _settings(dot))
+    monkeypatch.setattr(ops, "ATTENTION", _settings(dot, split))
     b, h, h_kv, s, d = 2, 4, 2, 80, 32
     q, k, v = (_rand(b, n, s, d, device=device, seed=i).requires_grad_() for i, n in enumerate((h, h_kv, h_kv)))
     first, last = _causal(b, s, [0, 10], device)
@@ -161,21 +175,38 @@ def test_auto_takes_tensor_cores_for_bf16_queries_only(monkeypatch):
         _settings("tf32")
 
 
+def test_a_split_that_would_cut_a_key_tile_is_refused():
+    """Splits are whole key tiles (a tile across two splits would be summed in neither's order)."""
+    assert _settings("auto", 128).split_keys == 128
+    for bad in (100, -64):
+        with pytest.raises(ValueError, match="multiple of block_n"):
+            _settings("auto", bad)
+
+
 @pytest.mark.sm90
 def test_it_compiles_for_sm90():
     from _sm90 import compile_sm90
 
-    from jetrl_trainer.kernels._triton_exact_attention_jit import exact_attention_kernel
+    from jetrl_trainer.kernels._triton_exact_attention_jit import (
+        exact_attention_combine_kernel,
+        exact_attention_kernel,
+    )
 
+    parts = dict(part_m_ptr="*fp32", part_sum_ptr="*fp32", part_acc_ptr="*fp32")
     for kv, scaled in (("*bf16", False), ("*fp8e4nv", True)):  # the training forward; the engine's FP8 cache
         pointers = dict(q_ptr="*bf16", k_ptr=kv, v_ptr=kv, out_ptr="*bf16", first_ptr="*i64",
-                        last_ptr="*i64", kv_rows_ptr="*i64", k_scale_ptr="*fp32", v_scale_ptr="*fp32")  # fmt: skip
-        for bf16_dot in (False, True):
+                        last_ptr="*i64", kv_rows_ptr="*i64", k_scale_ptr="*fp32", v_scale_ptr="*fp32",
+                        **parts)  # fmt: skip
+        for bf16_dot, split in ((False, 0), (True, 0), (True, 1024)):
             constexprs = dict(GROUP=4, HEADS_KV=8, D=128, BLOCK_D=128, BLOCK_M=16, BLOCK_N=64, KV_ROWS=scaled,
-                              SCALED=scaled, BF16_DOT=bf16_dot)  # fmt: skip
-            ptx = compile_sm90(exact_attention_kernel, pointers, constexprs,
-                               floats=("scale",), launch=dict(num_warps=4), odd=("S", "T", "ROWS"))  # fmt: skip
+                              SCALED=scaled, BF16_DOT=bf16_dot, SPLIT=split)  # fmt: skip
+            ptx = compile_sm90(exact_attention_kernel, pointers, constexprs, floats=("scale",),
+                               launch=dict(num_warps=4), odd=("S", "T", "ROWS", "SPLITS"))  # fmt: skip
             assert "ex2" in ptx and ("mma" in ptx) == bf16_dot  # tensor-core instructions only for the BF16 dot
+    pointers = dict(out_ptr="*bf16", first_ptr="*i64", last_ptr="*i64", **parts)
+    constexprs = dict(HEADS=32, D=128, BLOCK_D=128, BLOCK_R=16, SPLIT=1024)
+    ptx = compile_sm90(exact_attention_combine_kernel, pointers, constexprs, odd=("S", "QUERIES", "SPLITS"))
+    assert "ex2" in ptx
 
 
 def test_auto_takes_tensor_cores_under_bf16_autocast(monkeypatch):
