@@ -64,3 +64,11 @@ def test_card_gib_takes_the_budget_a_smaller_card_would_leave(monkeypatch):
     monkeypatch.setattr(bench.torch.cuda, "mem_get_info", lambda: (60 * gib, int(79.1 * gib)))
     assert bench.free_budget(args) == 52 * gib
     assert bench.free_budget(argparse.Namespace(**{**vars(args), "card_gib": None})) == 52 * gib
+
+
+def test_each_configuration_is_compared_with_bf16_from_the_same_run():
+    result = {"bf16": {"tok_per_s": 2000.0}, "fp8": {"tok_per_s": 2500.0}, "fp8_kv_exact": {"tok_per_s": 3600.0},
+              "fp8_kv": {"slots": 0}}  # not one sequence fitted: no tok/s, no ratio
+    assert bench.ratios_to_bf16(result, ["bf16", "fp8", "fp8_kv_exact", "fp8_kv"]) == {
+        "fp8_over_bf16_tok_per_s": 1.25, "fp8_kv_exact_over_bf16_tok_per_s": 1.8}
+    assert bench.ratios_to_bf16({"fp8": {"tok_per_s": 2500.0}}, ["fp8"]) == {}  # no BF16 row in this run
