@@ -187,7 +187,9 @@ class ExactAttentionSettings:
             more programs, at the price of the states written out and the merge. 2048 measured on an
             H100 (one layer of the 8B shape, FP8 cache, docs/performance.md): 8 rows 1.7x (4k
             positions) and 2.7x (16k) faster than 0, 64 rows 1.4-3.7% slower, the training forward
-            level. A decode that keeps far more rows than 64 live throughout may prefer 0.
+            level. A decode that keeps far more rows than 64 live throughout may prefer 0. A training
+            forward holds ``B x H x S x splits x (D + 2) x 4`` bytes of split states per attention call
+            (0.65 GiB per 8k sequence of the 8B shape, 2.3 GiB per 16k one).
         combine_rows: queries per program of the merge launch.
     """
 
