@@ -42,7 +42,7 @@ STRESS = dict(max_completion_length=64, warm_start_steps=40, temperature=1.3)
 GPU = dict(model_overrides="hidden_size=1024,intermediate_size=3072,num_hidden_layers=24,num_attention_heads=16,"
            "num_key_value_heads=8,head_dim=64,max_position_embeddings=2048", dtype="bfloat16", device="cuda",
            rollout_backend="engine", max_completion_length=256, steps=32, prompts_per_step=8, num_generations=8,
-           warm_start_steps=300, warm_start_lr=3e-4, learning_rate=2e-5, seeds="0,1")  # fmt: skip
+           warm_start_steps=300, warm_start_lr=3e-4, learning_rate=2e-5, seeds="0,1", checkpoint_every=10)  # fmt: skip
 TINY_PREFIX = "tiny-"
 
 
@@ -132,10 +132,16 @@ class CompareArguments:
                           "and build it once (a LLaDA warm start on a GPU is not bit-reproducible across processes). "
                           "Tiny models only."},
     )  # fmt: skip
+    checkpoint_every: int | None = field(
+        default=None,
+        metadata={"help": "Save each run's state every this many steps (the newest kept, deleted when the run "
+                          "finishes), so that a run cut off after one continues from it when the command runs "
+                          "again, to the numbers it would have had (0: none; the GPU preset's: 10)."},
+    )  # fmt: skip
     gpu: bool = field(
         default=False,
         metadata={"help": "The GPU preset: a local ~0.3B Qwen3 (BF16) warm-started on CUDA, 256-token completions, "
-                          "the decode engine, 32 steps, 2 seeds (docs/study.md, GPU results)."},
+                          "the decode engine, 32 steps, 2 seeds, a checkpoint every 10 steps (docs/study.md, GPU results)."},
     )  # fmt: skip
 
 
@@ -232,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
         spec, model = build(args)
         print(f"study: {spec.task}, {len(spec.strategies)} strategies x {len(spec.seeds)} seeds, {spec.steps} steps "
               f"-> {args.output_dir}")  # fmt: skip
-        out = run_study(spec, model, args.output_dir, run=not args.report_only, start_cache=args.start_cache)
+        out = run_study(spec, model, args.output_dir, run=not args.report_only, start_cache=args.start_cache,
+                        checkpoint_every=args.checkpoint_every or 0)  # fmt: skip
     except ValueError as err:  # bad names, or a folder holding runs of other settings
         raise SystemExit(f"error: {err}") from None
     print(out.table.read_text())

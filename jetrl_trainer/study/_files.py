@@ -2,7 +2,9 @@
 
 Layout: ``<output_dir>/<strategy slug>/seed<k>/{metrics.jsonl, result.json}``. Both files are
 written to a temporary name and renamed into place once the run has finished; ``result.json``
-comes last and is the done-marker. A run killed halfway leaves neither, and is run again.
+comes last and is the done-marker. A run killed halfway leaves neither, and is run again: from its
+newest checkpoint where it saved them (``run_study(checkpoint_every=N)``: ``checkpoint-<step>/``
+beside ``started.json``, the settings it began with), from the start otherwise.
 """
 
 from __future__ import annotations
@@ -12,9 +14,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-__all__ = ["read_run", "run_dir", "write_run"]
+__all__ = ["read_run", "read_started", "run_dir", "write_run", "write_started"]
 
-METRICS, RESULT = "metrics.jsonl", "result.json"
+METRICS, RESULT, STARTED = "metrics.jsonl", "result.json", "started.json"
 
 
 def run_dir(output_dir: str | os.PathLike, slug: str, seed: int) -> Path:
@@ -41,3 +43,16 @@ def read_run(folder: Path) -> tuple[list[dict[str, float]], dict[str, Any]] | No
     except (OSError, ValueError):
         return None
     return (rows, result) if len(rows) == result.get("rows") else None
+
+
+def write_started(folder: Path, identity: dict[str, Any]) -> None:
+    """What a checkpointed run began with, so that a resume never continues another run's checkpoints."""
+    folder.mkdir(parents=True, exist_ok=True)
+    _write_atomic(folder / STARTED, json.dumps(identity, indent=1) + "\n")
+
+
+def read_started(folder: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((folder / STARTED).read_text())
+    except (OSError, ValueError):
+        return None

@@ -45,18 +45,24 @@ class RunRecorder(TrainerCallback):
     """One row per logged step: every numeric log, plus ``time/step_s``, ``time/rollout_s``, ``time/train_s``.
 
     Shows a tqdm bar with the live reward and mean |Δlogp|. Rows stay in memory; the runner
-    writes them once the run is complete, so a half-finished run leaves no metrics file.
+    writes them once the run is complete, so a half-finished run leaves no metrics file. Each row's
+    timings also go into the trainer's ``log_history``, which a checkpoint saves: a run resumed from
+    one starts with the rows logged before it (``restored`` of them).
     """
 
     def __init__(self, clock: RolloutClock, *, total: int, desc: str, progress: bool = True):
         self.clock, self.total, self.desc, self.progress = clock, total, desc, progress
         self.rows: list[dict[str, float]] = []
+        self.restored = 0
         self._bar, self._step_start, self._timing = None, 0.0, {}
 
     def on_train_begin(self, args, state, control, **kwargs):
         from tqdm.auto import tqdm
 
-        self._bar = tqdm(total=self.total, desc=self.desc, unit="step", disable=not self.progress)
+        self.rows = [_row(entry) for entry in state.log_history if "reward" in entry]  # a resume's earlier steps
+        self.restored = len(self.rows)
+        self._bar = tqdm(total=self.total, initial=state.global_step, desc=self.desc, unit="step",
+                         disable=not self.progress)  # fmt: skip
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.clock.take()
@@ -70,10 +76,16 @@ class RunRecorder(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not logs or "reward" not in logs:  # the end-of-training summary has no reward
             return
-        numeric = {k: float(v) for k, v in logs.items() if isinstance(v, (int, float)) and math.isfinite(v)}
-        self.rows.append({"step": state.global_step, **numeric, **self._timing})
+        state.log_history[-1].update(self._timing)  # Trainer.log appended this step's entry just before
+        self.rows.append(_row({**logs, "step": state.global_step, **self._timing}))
         self._bar.update(state.global_step - self._bar.n)
         self._bar.set_postfix(reward=f"{logs['reward']:.3f}", dlogp=f"{logs.get('mismatch/logp_abs_diff_mean', 0):.1e}")
 
     def on_train_end(self, args, state, control, **kwargs):
         self._bar.close()
+
+
+def _row(logged: dict[str, Any]) -> dict[str, float]:
+    """A metrics row from one ``log_history`` entry: its step, then every finite number."""
+    numeric = {k: float(v) for k, v in logged.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+    return {"step": int(logged["step"]), **{k: v for k, v in numeric.items() if k != "step"}}

@@ -4,7 +4,9 @@ Per seed, the model is built (and warm-started) once and deep-copied for each st
 strategies of a seed start from the same weights, train on the same prompts in the same order (TRL
 shuffles with the run seed) and draw from the same RNG stream. Finished runs are skipped (see
 `_files`), so an interrupted study resumes where it stopped; a finished run made with other
-settings or another model is refused rather than mixed into the table.
+settings or another model is refused rather than mixed into the table. With ``checkpoint_every``
+an interrupted run also resumes from its newest checkpoint instead of its first step: runs longer
+than one sitting (a device lent in 10-minute calls, a preemptible node) still finish.
 
 Each run records a fingerprint of the weights it started from. A resume rebuilds the model, and a
 GPU warm start can come out with other bits (on another GPU or software; LLaDA's in any process), so
@@ -18,13 +20,14 @@ import functools
 import gc
 import json
 import os
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ._files import read_run, run_dir, write_run
+from ._files import read_run, read_started, run_dir, write_run, write_started
 from .data import StudyData, make_study_data
 from .models import ModelBuilder, PretrainedModel, describe_builder
 from .spec import StudySpec
@@ -50,6 +53,7 @@ def run_study(
     log: Callable[[str], None] = print,
     run: bool = True,
     start_cache: str | os.PathLike | None = None,
+    checkpoint_every: int = 0,
 ) -> StudyOutputs:
     """Run what is missing of ``spec`` into ``output_dir``; write ``study.md`` and ``study.png`` there.
 
@@ -58,6 +62,9 @@ def run_study(
     ``study.md`` lists the missing ones (for a study cut short where its hardware was).
     ``start_cache``: a folder where each seed's warm-started model is saved by the first process that
     builds it and loaded by the others (`start_cache.py`), so parallel processes share its bits.
+    ``checkpoint_every``: each run saves a checkpoint (weights, optimizer, RNG, its metrics so far)
+    every this many steps, keeping the newest; a run interrupted after one continues from it (0: none).
+    A finished run deletes its checkpoints.
     """
     from jetrl_trainer.tasks import get_task
 
@@ -65,6 +72,8 @@ def run_study(
     from .start_cache import cached_start
     from .summary import load_runs, mixed_start_seeds, write_table
 
+    if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) or checkpoint_every < 0:
+        raise ValueError(f"checkpoint_every must be a step count >= 0 (0: no checkpoints); got {checkpoint_every!r}.")
     builder = PretrainedModel(model) if isinstance(model, str) else model
     identity = {"settings": spec.run_settings(), "model": describe_builder(builder)}
     identity = json.loads(json.dumps(identity))  # tuples -> lists, as read back from result.json
@@ -86,7 +95,8 @@ def run_study(
             base, tokenizer = cached_start(builder, spec, seed, start_cache, build, weights_fingerprint)
         start = weights_fingerprint(base)
         for strategy in pending:
-            _run_one(spec, strategy, seed, base, tokenizer, task, data, output_dir, identity, progress, start)
+            _run_one(spec, strategy, seed, base, tokenizer, task, data, output_dir, identity, progress, start,
+                     checkpoint_every)  # fmt: skip
             ran.append(f"{strategy.name} seed {seed}")
         del base
     if skipped:
@@ -137,7 +147,7 @@ def weights_fingerprint(model) -> str:
 
 
 def _run_one(spec, strategy, seed, base, tokenizer, task, data: StudyData, output_dir, identity, progress,
-             start_fingerprint: str) -> None:  # fmt: skip
+             start_fingerprint: str, checkpoint_every: int = 0) -> None:  # fmt: skip
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
     from jetrl_trainer import JetGRPOTrainer
@@ -146,27 +156,49 @@ def _run_one(spec, strategy, seed, base, tokenizer, task, data: StudyData, outpu
     from .recorder import RolloutClock, RunRecorder
 
     folder = run_dir(output_dir, strategy.slug, seed)
-    trainer = JetGRPOTrainer(copy.deepcopy(base), task.reward_fn, args=_config(spec, strategy, seed, folder),
+    started = {**identity, "start_fingerprint": start_fingerprint}
+    resume = _resumable(folder, started) if checkpoint_every else False
+    if checkpoint_every and not resume:
+        write_started(folder, started)
+    trainer = JetGRPOTrainer(copy.deepcopy(base), task.reward_fn,
+                             args=_config(spec, strategy, seed, folder, checkpoint_every),
                              train_dataset=data.train, processing_class=tokenizer)  # fmt: skip
     for cb in (PrinterCallback, ProgressCallback):  # our bar replaces the per-step dict dumps
         trainer.remove_callback(cb)
     recorder = RunRecorder(RolloutClock(trainer), total=spec.steps, desc=f"{spec.task} {strategy.name} seed {seed}",
                            progress=progress)  # fmt: skip
     trainer.add_callback(recorder)
-    before = evaluate_policy(trainer, task, data.eval, phase=spec.eval_phase)
+    before = evaluate_policy(trainer, task, data.eval, phase=spec.eval_phase)  # the start: a resume rebuilt it
     start = time.perf_counter()
-    trainer.train()
-    seconds = time.perf_counter() - start
+    trainer.train(resume_from_checkpoint=True if resume else None)  # True: the newest complete checkpoint
+    seconds = time.perf_counter() - start + sum(row["time/step_s"] for row in recorder.rows[: recorder.restored])
     after = evaluate_policy(trainer, task, data.eval, phase=spec.eval_phase)
-    result = {"strategy": strategy.name, "seed": seed, **identity, "start_fingerprint": start_fingerprint,
-              "rows": len(recorder.rows),
+    result = {"strategy": strategy.name, "seed": seed, **started, "rows": len(recorder.rows),
               "train_seconds": seconds, "eval_before": before, "eval_after": after}  # fmt: skip
+    if recorder.restored:
+        result["resumed_after_step"] = recorder.rows[recorder.restored - 1]["step"]
     write_run(folder, recorder.rows, result)
+    for leftover in (*folder.glob("checkpoint-*"), *folder.glob(".jetrl-*")):  # a finished run keeps its two files
+        shutil.rmtree(leftover, ignore_errors=True)
+    for leftover in ("started.json", "README.md"):  # README.md: the checkpoints' model card
+        (folder / leftover).unlink(missing_ok=True)
     del trainer
     gc.collect()
 
 
-def _config(spec: StudySpec, strategy: Strategy, seed: int, folder: Path):
+def _resumable(folder: Path, started: dict[str, Any]) -> bool:
+    """Whether ``folder`` holds checkpoints of this very run (its settings, model and start)."""
+    if not any(folder.glob("checkpoint-*")):
+        return False
+    found = read_started(folder)
+    if found != json.loads(json.dumps(started)):
+        raise ValueError(f"{folder} holds checkpoints of a run with other settings, another model or another start "
+                         f"({'no started.json' if found is None else 'started.json differs'}); use another output_dir, "
+                         "or delete that folder's checkpoint-* to start the run over.")  # fmt: skip
+    return True
+
+
+def _config(spec: StudySpec, strategy: Strategy, seed: int, folder: Path, checkpoint_every: int = 0):
     import torch
 
     from jetrl_trainer import JetGRPOConfig
@@ -178,5 +210,7 @@ def _config(spec: StudySpec, strategy: Strategy, seed: int, folder: Path):
         save_strategy="no", report_to="none", use_cpu=not torch.cuda.is_available(), bf16=False,
         gradient_checkpointing=False, disable_tqdm=True,
     )  # fmt: skip
+    if checkpoint_every:  # the newest only: a resume needs no other, and each holds the optimizer state
+        fields.update(save_strategy="steps", save_steps=checkpoint_every, save_total_limit=1)
     fields.update(spec.trainer_kwargs)
     return JetGRPOConfig(output_dir=str(folder), seed=seed, **strategy.config_kwargs(), **fields)

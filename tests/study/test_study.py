@@ -148,6 +148,7 @@ def test_the_gpu_preset_describes_a_local_03b_model_on_the_engine():
     args = cli.parse(["--gpu", "--device", "cpu", "--seeds", "3"])
     spec, model = cli.build(args)
     assert spec.trainer_kwargs == {"rollout_backend": "engine"} and spec.completion_length() == 256
+    assert args.checkpoint_every == 10 and cli.parse([]).checkpoint_every is None  # runs longer than one call resume
     assert spec.seeds == (3,) and spec.strategies == _choices.GPU_STUDY_STRATEGIES  # exactness pinned on CUDA
     assert cli.build(cli.parse(["--gpu", "--device", "cpu", "--strategies", "fp8/fp8@plain"]))[0].strategies == (
         "fp8/fp8@plain",)  # flags still beat the preset
@@ -325,6 +326,57 @@ def test_a_checkpoint_folder_is_loaded_as_it_is(tmp_path, one_thread):
     assert out.ran == ("bf16/fp8 seed 0",) and len(rows) == 1 and rows[0]["mismatch/logp_abs_diff_mean"] > 0
     assert result["model"] == {"builder": "jetrl_trainer.study.models.PretrainedModel",
                                "model_id": str(tmp_path / "ckpt"), "dtype": "bfloat16"}  # fmt: skip
+
+
+def test_a_run_interrupted_after_a_checkpoint_continues_from_it_to_the_uninterrupted_runs_numbers(
+        tmp_path, monkeypatch, one_thread):  # fmt: skip
+    """``checkpoint_every=2``: a run killed at step 3 resumes from checkpoint-2 (its metrics up to there kept,
+    steps 3-4 run again) and ends with every logged number and the final accuracy of a run never stopped; the
+    finished run keeps its two files only. Checkpoints of another run's settings are refused, not resumed."""
+    from jetrl_trainer.study import recorder as recorder_module
+
+    spec = StudySpec(task="arithmetic", strategies=("bf16/bf16",), seeds=(0,), steps=4, prompts_per_step=2,
+                     num_generations=2, eval_prompts=4, sft_examples=8, learning_rate=1e-3)  # fmt: skip
+    model = TinyModel("qwen3", warm_start_steps=2, warm_start_batch_size=4)
+    quiet = dict(progress=False, log=lambda _: None)
+    run_study(spec, model, tmp_path / "whole", **quiet)
+    whole_rows, whole = _read(tmp_path / "whole" / "bf16-bf16" / "seed0")
+
+    class Killed(Exception):
+        pass
+
+    real_end = recorder_module.RunRecorder.on_step_end
+
+    def killed_at_step_3(self, args, state, control, **kwargs):
+        if state.global_step == 3:
+            raise Killed
+        return real_end(self, args, state, control, **kwargs)
+
+    monkeypatch.setattr(recorder_module.RunRecorder, "on_step_end", killed_at_step_3)
+    with pytest.raises(Killed):
+        run_study(spec, model, tmp_path / "parts", checkpoint_every=2, **quiet)
+    folder = tmp_path / "parts" / "bf16-bf16" / "seed0"
+    assert sorted(p.name for p in folder.iterdir()) == ["README.md", "checkpoint-2", "started.json"]  # + model card
+    monkeypatch.setattr(recorder_module.RunRecorder, "on_step_end", real_end)
+    run_study(spec, model, tmp_path / "parts", checkpoint_every=2, **quiet)
+    rows, result = _read(folder)
+    assert result["resumed_after_step"] == 2 and [r["step"] for r in rows] == [1, 2, 3, 4]
+    timing = ("time/step_s", "time/rollout_s", "time/train_s", "step_time")  # step_time: TRL's clock
+    assert [{k: v for k, v in r.items() if k not in timing} for r in rows] == [
+        {k: v for k, v in r.items() if k not in timing} for r in whole_rows]
+    assert all(r[k] > 0 for r in rows for k in ("time/step_s", "time/rollout_s"))
+    assert result["eval_before"] == whole["eval_before"] and result["eval_after"] == whole["eval_after"]
+    assert result["start_fingerprint"] == whole["start_fingerprint"]
+    assert sorted(p.name for p in folder.iterdir()) == ["metrics.jsonl", "result.json"]
+
+    other = tmp_path / "other" / "bf16-bf16" / "seed0"
+    shutil.copytree(tmp_path / "whole", tmp_path / "other")
+    (other / "result.json").unlink()
+    (other / "checkpoint-2").mkdir()
+    with pytest.raises(ValueError, match="checkpoints of a run with other settings.*no started.json"):
+        run_study(spec, model, tmp_path / "other", checkpoint_every=2, **quiet)
+    with pytest.raises(ValueError, match="checkpoint_every must be a step count"):
+        run_study(spec, model, tmp_path / "other", checkpoint_every=-1, **quiet)
 
 
 # ---------------------------------------------------------------------------------- start cache
