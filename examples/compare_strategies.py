@@ -138,6 +138,12 @@ class CompareArguments:
                           "finishes), so that a run cut off after one continues from it when the command runs "
                           "again, to the numbers it would have had (0: none; the GPU preset's: 10)."},
     )  # fmt: skip
+    stop_after_seconds: float | None = field(
+        default=None,
+        metadata={"help": "End this call after about this many seconds: the run in progress saves a checkpoint and "
+                          "stops after its current step, no run starts after it, and the table covers the finished "
+                          "runs. The same command continues the rest (for a machine lent for a fixed time)."},
+    )  # fmt: skip
     gpu: bool = field(
         default=False,
         metadata={"help": "The GPU preset: a local ~0.3B Qwen3 (BF16) warm-started on CUDA, 256-token completions, "
@@ -239,11 +245,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"study: {spec.task}, {len(spec.strategies)} strategies x {len(spec.seeds)} seeds, {spec.steps} steps "
               f"-> {args.output_dir}")  # fmt: skip
         out = run_study(spec, model, args.output_dir, run=not args.report_only, start_cache=args.start_cache,
-                        checkpoint_every=args.checkpoint_every or 0)  # fmt: skip
+                        checkpoint_every=args.checkpoint_every or 0,
+                        stop_after_seconds=args.stop_after_seconds)  # fmt: skip
     except ValueError as err:  # bad names, or a folder holding runs of other settings
         raise SystemExit(f"error: {err}") from None
     print(out.table.read_text())
-    print(f"wrote {out.table} and {out.plot}; ran {len(out.ran)}, skipped {len(out.skipped)} finished; "
+    stopped = f", stopped {len(out.stopped)} (run again to continue)" if out.stopped else ""
+    print(f"wrote {out.table} and {out.plot}; ran {len(out.ran)}, skipped {len(out.skipped)} finished{stopped}; "
           f"{time.perf_counter() - start:.0f}s")  # fmt: skip
     return 0
 

@@ -79,7 +79,9 @@ def plot_study(runs: list[Run], path: Path, spec: StudySpec) -> None:
                  f"Line = mean over seeds ({seeds}), band = min-max over seeds; reward = trailing mean of {spec.window} "
                  "steps", y=0.995, fontsize=10)  # fmt: skip
     handles, labels = axes.flat[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="upper center", ncol=min(4, len(names)), frameon=False, bbox_to_anchor=(0.5, 0.975))
+    if handles:  # none before the first run has finished (a call stopped or --report_only on a new folder)
+        fig.legend(handles, labels, loc="upper center", ncol=min(4, len(names)), frameon=False,
+                   bbox_to_anchor=(0.5, 0.975))  # fmt: skip
     fig.tight_layout(rect=(0, 0, 1, 0.925))
     _save_small(fig, path)
     plt.close(fig)

@@ -42,6 +42,7 @@ class StudyOutputs:
     plot: Path  # study.png
     ran: tuple[str, ...]  # "<strategy> seed <k>" of the runs made by this call
     skipped: tuple[str, ...]  # the ones found finished
+    stopped: tuple[str, ...] = ()  # the ones left unfinished at stop_after_seconds
 
 
 def run_study(
@@ -54,6 +55,7 @@ def run_study(
     run: bool = True,
     start_cache: str | os.PathLike | None = None,
     checkpoint_every: int = 0,
+    stop_after_seconds: float | None = None,
 ) -> StudyOutputs:
     """Run what is missing of ``spec`` into ``output_dir``; write ``study.md`` and ``study.png`` there.
 
@@ -65,6 +67,9 @@ def run_study(
     ``checkpoint_every``: each run saves a checkpoint (weights, optimizer, RNG, its metrics so far)
     every this many steps, keeping the newest; a run interrupted after one continues from it (0: none).
     A finished run deletes its checkpoints.
+    ``stop_after_seconds``: the run in progress this long after the call began saves a checkpoint and
+    stops after its current step, and no run starts after that; the table covers the finished runs,
+    ``stopped`` names the others, and calling again continues them (for a sitting of known length).
     """
     from jetrl_trainer.tasks import get_task
 
@@ -74,16 +79,19 @@ def run_study(
 
     if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) or checkpoint_every < 0:
         raise ValueError(f"checkpoint_every must be a step count >= 0 (0: no checkpoints); got {checkpoint_every!r}.")
+    if stop_after_seconds is not None and not stop_after_seconds >= 0:
+        raise ValueError(f"stop_after_seconds must be a number of seconds >= 0; got {stop_after_seconds!r}.")
+    deadline = None if stop_after_seconds is None else _now() + stop_after_seconds
     builder = PretrainedModel(model) if isinstance(model, str) else model
     identity = {"settings": spec.run_settings(), "model": describe_builder(builder)}
     identity = json.loads(json.dumps(identity))  # tuples -> lists, as read back from result.json
     task, data = get_task(spec.task), make_study_data(spec)
-    ran, skipped, missing = [], [], []
+    ran, skipped, missing, stopped = [], [], [], []
     for seed in spec.seeds:
         pending = [s for s in spec.strategy_objects if not _finished(output_dir, s, seed, identity)]
         skipped += [f"{s.name} seed {seed}" for s in spec.strategy_objects if s not in pending]
-        if not run:
-            missing += [f"{s.name} seed {seed}" for s in pending]
+        if not run or _past(deadline):
+            (missing if not run else stopped).extend(f"{s.name} seed {seed}" for s in pending)
             pending = []
         if not pending:
             continue
@@ -95,14 +103,17 @@ def run_study(
             base, tokenizer = cached_start(builder, spec, seed, start_cache, build, weights_fingerprint)
         start = weights_fingerprint(base)
         for strategy in pending:
-            _run_one(spec, strategy, seed, base, tokenizer, task, data, output_dir, identity, progress, start,
-                     checkpoint_every)  # fmt: skip
-            ran.append(f"{strategy.name} seed {seed}")
+            finished = not _past(deadline) and _run_one(spec, strategy, seed, base, tokenizer, task, data, output_dir,
+                                                        identity, progress, start, checkpoint_every, deadline)  # fmt: skip
+            (ran if finished else stopped).append(f"{strategy.name} seed {seed}")
         del base
     if skipped:
         log(f"skipped {len(skipped)} finished run(s): {', '.join(skipped)}")
     if missing:
         log(f"not run (run=False): {', '.join(missing)}")
+    if stopped:
+        log(f"stopped after {stop_after_seconds:g} s; not finished: {', '.join(stopped)}. Run the same command again "
+            "to continue them (a stopped run from its checkpoint).")  # fmt: skip
     runs = load_runs(output_dir, spec)
     for seed in mixed_start_seeds(runs):
         log(f"warning: seed {seed}'s rebuilt start differs from the one its finished runs began with (a GPU "
@@ -110,9 +121,16 @@ def run_study(
             "processes share a start_cache, to avoid it.")
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    write_table(runs, out / "study.md", spec, identity["model"], missing=missing)
+    write_table(runs, out / "study.md", spec, identity["model"], missing=missing + stopped)
     plot_study(runs, out / "study.png", spec)
-    return StudyOutputs(out / "study.md", out / "study.png", tuple(ran), tuple(skipped))
+    return StudyOutputs(out / "study.md", out / "study.png", tuple(ran), tuple(skipped), tuple(stopped))
+
+
+_now = time.monotonic  # the deadline's clock (a test replaces it)
+
+
+def _past(deadline: float | None) -> bool:
+    return deadline is not None and _now() >= deadline
 
 
 def _call_builder(builder: ModelBuilder, *, seed: int, task: Any, spec: StudySpec, data: StudyData) -> tuple[Any, Any]:
@@ -147,8 +165,9 @@ def weights_fingerprint(model) -> str:
 
 
 def _run_one(spec, strategy, seed, base, tokenizer, task, data: StudyData, output_dir, identity, progress,
-             start_fingerprint: str, checkpoint_every: int = 0) -> None:  # fmt: skip
-    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+             start_fingerprint: str, checkpoint_every: int = 0, deadline: float | None = None) -> bool:  # fmt: skip
+    """Run one strategy x seed to its end (True), or until ``deadline``, saving a checkpoint (False)."""
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback, TrainerCallback
 
     from jetrl_trainer import JetGRPOTrainer
 
@@ -157,8 +176,8 @@ def _run_one(spec, strategy, seed, base, tokenizer, task, data: StudyData, outpu
 
     folder = run_dir(output_dir, strategy.slug, seed)
     started = {**identity, "start_fingerprint": start_fingerprint}
-    resume = _resumable(folder, started) if checkpoint_every else False
-    if checkpoint_every and not resume:
+    resume = _resumable(folder, started)
+    if (checkpoint_every or deadline is not None) and not resume:
         write_started(folder, started)
     trainer = JetGRPOTrainer(copy.deepcopy(base), task.reward_fn,
                              args=_config(spec, strategy, seed, folder, checkpoint_every),
@@ -168,9 +187,21 @@ def _run_one(spec, strategy, seed, base, tokenizer, task, data: StudyData, outpu
     recorder = RunRecorder(RolloutClock(trainer), total=spec.steps, desc=f"{spec.task} {strategy.name} seed {seed}",
                            progress=progress)  # fmt: skip
     trainer.add_callback(recorder)
+    if deadline is not None:
+
+        class StopAtDeadline(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                if state.global_step < state.max_steps and _past(deadline):  # the Trainer saves, then stops
+                    control.should_save = control.should_training_stop = True
+
+        trainer.add_callback(StopAtDeadline())
     before = evaluate_policy(trainer, task, data.eval, phase=spec.eval_phase)  # the start: a resume rebuilt it
     start = time.perf_counter()
     trainer.train(resume_from_checkpoint=True if resume else None)  # True: the newest complete checkpoint
+    if trainer.state.global_step < spec.steps:  # stopped at the deadline, its checkpoint saved
+        del trainer
+        gc.collect()
+        return False
     seconds = time.perf_counter() - start + sum(row["time/step_s"] for row in recorder.rows[: recorder.restored])
     after = evaluate_policy(trainer, task, data.eval, phase=spec.eval_phase)
     result = {"strategy": strategy.name, "seed": seed, **started, "rows": len(recorder.rows),
@@ -184,6 +215,7 @@ def _run_one(spec, strategy, seed, base, tokenizer, task, data: StudyData, outpu
         (folder / leftover).unlink(missing_ok=True)
     del trainer
     gc.collect()
+    return True
 
 
 def _resumable(folder: Path, started: dict[str, Any]) -> bool:
@@ -210,7 +242,8 @@ def _config(spec: StudySpec, strategy: Strategy, seed: int, folder: Path, checkp
         save_strategy="no", report_to="none", use_cpu=not torch.cuda.is_available(), bf16=False,
         gradient_checkpointing=False, disable_tqdm=True,
     )  # fmt: skip
-    if checkpoint_every:  # the newest only: a resume needs no other, and each holds the optimizer state
-        fields.update(save_strategy="steps", save_steps=checkpoint_every, save_total_limit=1)
+    if checkpoint_every:
+        fields.update(save_strategy="steps", save_steps=checkpoint_every)
+    fields["save_total_limit"] = 1  # the newest only (a deadline's too): a resume needs no other, each holds the optimizer
     fields.update(spec.trainer_kwargs)
     return JetGRPOConfig(output_dir=str(folder), seed=seed, **strategy.config_kwargs(), **fields)

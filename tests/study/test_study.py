@@ -149,6 +149,7 @@ def test_the_gpu_preset_describes_a_local_03b_model_on_the_engine():
     spec, model = cli.build(args)
     assert spec.trainer_kwargs == {"rollout_backend": "engine"} and spec.completion_length() == 256
     assert args.checkpoint_every == 10 and cli.parse([]).checkpoint_every is None  # runs longer than one call resume
+    assert cli.parse(["--stop_after_seconds", "540"]).stop_after_seconds == 540
     assert spec.seeds == (3,) and spec.strategies == _choices.GPU_STUDY_STRATEGIES  # exactness pinned on CUDA
     assert cli.build(cli.parse(["--gpu", "--device", "cpu", "--strategies", "fp8/fp8@plain"]))[0].strategies == (
         "fp8/fp8@plain",)  # flags still beat the preset
@@ -332,7 +333,8 @@ def test_a_run_interrupted_after_a_checkpoint_continues_from_it_to_the_uninterru
         tmp_path, monkeypatch, one_thread):  # fmt: skip
     """``checkpoint_every=2``: a run killed at step 3 resumes from checkpoint-2 (its metrics up to there kept,
     steps 3-4 run again) and ends with every logged number and the final accuracy of a run never stopped; the
-    finished run keeps its two files only. Checkpoints of another run's settings are refused, not resumed."""
+    finished run keeps its two files only. ``stop_after_seconds``: a run past the deadline saves a checkpoint,
+    stops, and continues on the next call alike. Checkpoints of another run's settings are refused."""
     from jetrl_trainer.study import recorder as recorder_module
 
     spec = StudySpec(task="arithmetic", strategies=("bf16/bf16",), seeds=(0,), steps=4, prompts_per_step=2,
@@ -369,6 +371,30 @@ def test_a_run_interrupted_after_a_checkpoint_continues_from_it_to_the_uninterru
     assert result["start_fingerprint"] == whole["start_fingerprint"]
     assert sorted(p.name for p in folder.iterdir()) == ["metrics.jsonl", "result.json"]
 
+    # A sitting of known length: the clock passes the deadline during step 2; the run saves checkpoint-2 and
+    # stops, and calling again continues it to the same numbers.
+    from jetrl_trainer.study import runner
+
+    clock = [0.0]
+    monkeypatch.setattr(runner, "_now", lambda: clock[0])
+
+    def deadline_in_step_2(self, args, state, control, **kwargs):
+        clock[0] = 1000.0 if state.global_step == 2 else clock[0]
+        return real_end(self, args, state, control, **kwargs)
+
+    monkeypatch.setattr(recorder_module.RunRecorder, "on_step_end", deadline_in_step_2)
+    out = run_study(spec, model, tmp_path / "timed", stop_after_seconds=100, **quiet)
+    timed = tmp_path / "timed" / "bf16-bf16" / "seed0"
+    assert out.stopped == ("bf16/bf16 seed 0",) and out.ran == () and "checkpoint-2" in {p.name for p in timed.iterdir()}
+    assert "**Not run:** bf16/bf16 seed 0" in out.table.read_text()
+    monkeypatch.setattr(recorder_module.RunRecorder, "on_step_end", real_end)
+    again = run_study(spec, model, tmp_path / "timed", stop_after_seconds=100, **quiet)  # a new sitting of 100 s
+    assert again.ran == ("bf16/bf16 seed 0",) and again.stopped == ()
+    rows, result = _read(timed)
+    assert result["resumed_after_step"] == 2 and result["eval_after"] == whole["eval_after"]
+    assert [{k: v for k, v in r.items() if k not in timing} for r in rows] == [
+        {k: v for k, v in r.items() if k not in timing} for r in whole_rows]
+
     other = tmp_path / "other" / "bf16-bf16" / "seed0"
     shutil.copytree(tmp_path / "whole", tmp_path / "other")
     (other / "result.json").unlink()
@@ -377,6 +403,8 @@ def test_a_run_interrupted_after_a_checkpoint_continues_from_it_to_the_uninterru
         run_study(spec, model, tmp_path / "other", checkpoint_every=2, **quiet)
     with pytest.raises(ValueError, match="checkpoint_every must be a step count"):
         run_study(spec, model, tmp_path / "other", checkpoint_every=-1, **quiet)
+    with pytest.raises(ValueError, match="stop_after_seconds must be"):
+        run_study(spec, model, tmp_path / "other", stop_after_seconds=-5, **quiet)
 
 
 # ---------------------------------------------------------------------------------- start cache
