@@ -9,8 +9,10 @@ the backward of the completion log-probs' sum, once without the roundtrip and on
 FP8 recipe (``--precision``), on a random Qwen3 of Qwen3-8B's layer shapes (``--layers``). Reports the
 median milliseconds of each and the share the roundtrip adds.
 
-Usage: ``python benchmarks/bench_kv_roundtrip.py [--layers 4] [--completion 8192] [--rows 1]``;
-``--shape tiny --device cpu --completion 32`` is a smoke run on CPU.
+Usage: ``python benchmarks/bench_kv_roundtrip.py [--layers 4] [--completion 8192] [--rows 1]
+[--gradient-checkpointing]``; ``--shape tiny --device cpu --completion 32`` is a smoke run on CPU. All 36
+layers at 8k need ``--gradient-checkpointing`` on an 80 GB card (as a trainer at that length would run):
+the roundtrip then also runs in each layer's recompute, as it does in training.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from functools import partial
 import torch
 from _common import QWEN3_8B_SHAPE, dump, environment
 
-from jetrl_trainer.exact import training_logprobs
+from jetrl_trainer.exact import ExactOps, training_logprobs
 from jetrl_trainer.quant import PrecisionPhases, quantize_model
 from jetrl_trainer.rollout.engine.kv_cache import kv_roundtrip
 from jetrl_trainer.tiny import build_tiny_qwen3, build_tiny_tokenizer
@@ -37,14 +39,18 @@ def build(args):
                              seed=0, dtype=torch.bfloat16, **shape).to(args.device)  # fmt: skip
     if args.precision == "fp8":
         quantize_model(model, train="fp8", rollout="fp8")
+    if args.gradient_checkpointing:  # the trainer's setting (TrainingArguments.gradient_checkpointing)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model.train()
 
 
 def forward_backward(model, ids, mask, completion: int, roundtrip) -> torch.Tensor:
-    """One exact training forward (the completion's log-probs) and the backward of their sum."""
+    """One exact training forward (the completion's log-probs) and the backward of their sum, both under
+    the mode as the trainer's ``training_step`` runs them (a checkpointed layer recomputes in the backward)."""
     model.zero_grad(set_to_none=True)
-    logps, _, _ = training_logprobs(model, ids, mask, completion, temperature=1.0, kv_roundtrip=roundtrip)
-    logps.sum().backward()
+    with ExactOps.entered(True, roundtrip):
+        logps, _, _ = training_logprobs(model, ids, mask, completion, temperature=1.0, kv_roundtrip=roundtrip)
+        logps.sum().backward()
     return logps.detach()
 
 
@@ -73,6 +79,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--precision", default="fp8", choices=["fp8", "bf16"])
     ap.add_argument("--shape", default="8b", choices=["8b", "tiny"], help="8b: Qwen3-8B layer shapes; tiny: CPU smoke")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--gradient-checkpointing", action="store_true",
+                    help="recompute each layer in the backward (the memory a 36-layer 8k step needs)")  # fmt: skip
     args = ap.parse_args(argv)
     cuda = args.device == "cuda"
     model = build(args)
