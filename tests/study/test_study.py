@@ -275,6 +275,15 @@ def test_report_only_runs_nothing_and_names_the_missing_runs(fast_study, tmp_pat
     assert (copy / "fp8-fp8" / "seed0" / "metrics.jsonl").stat().st_mtime_ns == stamp
 
 
+def test_a_call_past_its_deadline_starts_no_run_and_says_how_to_continue(tmp_path, capsys, one_thread):
+    out = tmp_path / "late"
+    assert _script_module().main([*FAST_ARGS, "--output_dir", str(out), "--stop_after_seconds", "0"]) == 0
+    printed = capsys.readouterr().out
+    assert "stopped after 0 s; not finished: bf16/fp8+ais seed 0, fp8/fp8 seed 0" in printed
+    assert "ran 0, skipped 0 finished, stopped 2 (run again to continue)" in printed
+    assert not (out / "bf16-fp8-ais").exists() and "**Not run:**" in (out / "study.md").read_text()
+
+
 def test_runs_record_their_start_and_a_differing_rebuilt_start_is_flagged(fast_study, tmp_path, capsys, one_thread):
     out = fast_study[0]
     starts = {_read(out / slug / "seed0")[1]["start_fingerprint"] for slug in ("bf16-fp8-ais", "fp8-fp8")}
