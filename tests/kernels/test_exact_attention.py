@@ -187,10 +187,7 @@ def test_a_split_that_would_cut_a_key_tile_is_refused():
 def test_it_compiles_for_sm90():
     from _sm90 import compile_sm90
 
-    from jetrl_trainer.kernels._triton_exact_attention_jit import (
-        exact_attention_combine_kernel,
-        exact_attention_kernel,
-    )
+    from jetrl_trainer.kernels import _triton_exact_attention_jit as jit
 
     parts = dict(part_m_ptr="*fp32", part_sum_ptr="*fp32", part_acc_ptr="*fp32")
     for kv, scaled in (("*bf16", False), ("*fp8e4nv", True)):  # the training forward; the engine's FP8 cache
@@ -200,12 +197,12 @@ def test_it_compiles_for_sm90():
         for bf16_dot, split in ((False, 0), (True, 0), (True, 1024)):
             constexprs = dict(GROUP=4, HEADS_KV=8, D=128, BLOCK_D=128, BLOCK_M=16, BLOCK_N=64, KV_ROWS=scaled,
                               SCALED=scaled, BF16_DOT=bf16_dot, SPLIT=split)  # fmt: skip
-            ptx = compile_sm90(exact_attention_kernel, pointers, constexprs, floats=("scale",),
+            ptx = compile_sm90(jit.exact_attention_kernel, pointers, constexprs, floats=("scale",),
                                launch=dict(num_warps=4), odd=("S", "T", "ROWS", "SPLITS"))  # fmt: skip
             assert "ex2" in ptx and ("mma" in ptx) == bf16_dot  # tensor-core instructions only for the BF16 dot
     pointers = dict(out_ptr="*bf16", first_ptr="*i64", last_ptr="*i64", **parts)
     constexprs = dict(HEADS=32, D=128, BLOCK_D=128, BLOCK_R=16, SPLIT=1024)
-    ptx = compile_sm90(exact_attention_combine_kernel, pointers, constexprs, odd=("S", "QUERIES", "SPLITS"))
+    ptx = compile_sm90(jit.exact_attention_combine_kernel, pointers, constexprs, odd=("S", "QUERIES", "SPLITS"))
     assert "ex2" in ptx
 
 
