@@ -76,8 +76,9 @@ class RunRecorder(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not logs or "reward" not in logs:  # the end-of-training summary has no reward
             return
-        state.log_history[-1].update(self._timing)  # Trainer.log appended this step's entry just before
-        self.rows.append(_row({**logs, "step": state.global_step, **self._timing}))
+        entry = state.log_history[-1]  # Trainer.log appended this step's {**logs, "step"} just before
+        entry.update(self._timing)  # saved with a checkpoint, so a resume gets its rows back from there
+        self.rows.append(_row(entry))
         self._bar.update(state.global_step - self._bar.n)
         self._bar.set_postfix(reward=f"{logs['reward']:.3f}", dlogp=f"{logs.get('mismatch/logp_abs_diff_mean', 0):.1e}")
 
