@@ -187,10 +187,13 @@ class ExactAttentionSettings:
             more programs, at the price of the states written out and the merge. 2048 measured on an
             H100 (one layer of the 8B shape, FP8 cache, docs/performance.md): 8 rows 1.7x (4k
             positions) and 2.7x (16k) faster than 0, 64 rows 1.4-3.7% slower, the training forward
-            level. A decode that keeps far more rows than 64 live throughout may prefer 0. A training
-            forward holds ``B x H x S x splits x (D + 2) x 4`` bytes of split states per attention call
-            (0.65 GiB per 8k sequence of the 8B shape, 2.3 GiB per 16k one).
+            level. A decode that keeps far more rows than 64 live throughout may prefer 0.
         combine_rows: queries per program of the merge launch.
+        max_split_state_bytes: the most memory the splits' FP32 states take at once; a longer query run
+            (a training forward or a prefill) is split and merged a chunk of positions at a time, which
+            changes no bit (each query's result is its own). Without it a training forward would hold
+            ``B x H x S x splits x (D + 2) x 4`` bytes per attention call: 0.65 GiB per 8k sequence of
+            the 8B shape, 2.3 GiB per 16k one.
     """
 
     block_m: int = 16
@@ -200,9 +203,10 @@ class ExactAttentionSettings:
     dot: str = "auto"
     split_keys: int = 2048
     combine_rows: int = 16
+    max_split_state_bytes: int = 256 * 2**20
 
     def __post_init__(self) -> None:
-        _positive(self, "block_m", "block_n", "num_warps", "num_stages", "combine_rows")
+        _positive(self, "block_m", "block_n", "num_warps", "num_stages", "combine_rows", "max_split_state_bytes")
         if self.dot not in ("auto", "fp32", "bf16"):
             raise ValueError(f"ExactAttentionSettings.dot must be 'auto', 'fp32' or 'bf16'; got {self.dot!r}.")
         if self.split_keys < 0 or self.split_keys % self.block_n:

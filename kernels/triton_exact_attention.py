@@ -50,7 +50,6 @@ def exact_attention(
     if (k_scale is None) != (v_scale is None):
         raise ValueError("exact_attention: pass both k_scale and v_scale (an FP8 cache) or neither.")
     out = torch.empty_like(q)
-    rows = (h // h_kv) * s
     if out.numel() == 0:
         return out
     first = first_key.to(device=q.device, dtype=torch.int64).contiguous()
@@ -66,26 +65,37 @@ def exact_attention(
     # The splits cover the longest run a row can hold (t keys): a graph captured for the cache's size
     # launches them all, and a split past a row's keys leaves an empty state that its merge skips.
     splits = cdiv(t, split) if split else 1
-    if split:
-        part_m = torch.empty(b * h * s * splits, dtype=torch.float32, device=q.device)
-        part_sum = torch.empty_like(part_m)
-        part_acc = torch.empty(b * h * s * splits, d, dtype=torch.float32, device=q.device)
-    else:
-        part_m = part_sum = part_acc = out  # not read
-    grid = (cdiv(rows, settings.block_m), b * h_kv, splits)
-    jit.exact_attention_kernel[grid](
-        q, k, v, out, first, last, rows_index, k_scale if scaled else first, v_scale if scaled else first, part_m,
-        part_sum, part_acc, s, t, rows, splits,
-        float(scale), *q.stride(), *k.stride(), *v.stride(), *out.stride(), *last.stride(), *scale_strides,
-        GROUP=h // h_kv, HEADS_KV=h_kv, D=d, BLOCK_D=block_d, BLOCK_M=settings.block_m,
-        BLOCK_N=settings.block_n, KV_ROWS=kv_rows is not None, SCALED=scaled,
-        BF16_DOT=uses_tensor_cores(settings, q.dtype), SPLIT=split,
-        num_warps=settings.num_warps, num_stages=settings.num_stages,
-    )  # fmt: skip
-    if split:
-        queries = b * h * s
-        jit.exact_attention_combine_kernel[(cdiv(queries, settings.combine_rows),)](
-            part_m, part_sum, part_acc, out, first, last, s, queries, splits, *out.stride(), *last.stride(),
-            HEADS=h, D=d, BLOCK_D=block_d, BLOCK_R=settings.combine_rows, SPLIT=split,
+    # The split states of a long query run (a training forward: B x H x S x splits x D in FP32, 2.3 GiB
+    # per 16k sequence of the 8B shape) are made and merged a chunk of positions at a time. Each query's
+    # bits are its own, whatever queries share its launch (the contract already has the decode's single
+    # query meet the training forward's many), so the chunks change no bit.
+    chunk = max(1, settings.max_split_state_bytes // (b * h * splits * (d + 2) * 4)) if split else s
+    for first_query in range(0, s, chunk):
+        queries = slice(first_query, min(first_query + chunk, s))
+        q_part, out_part, last_part = q[:, :, queries], out[:, :, queries], last[:, queries]
+        s_part = q_part.shape[2]
+        rows = (h // h_kv) * s_part
+        if split:
+            part_m = torch.empty(b * h * s_part * splits, dtype=torch.float32, device=q.device)
+            part_sum = torch.empty_like(part_m)
+            part_acc = torch.empty(b * h * s_part * splits, d, dtype=torch.float32, device=q.device)
+        else:
+            part_m = part_sum = part_acc = out  # not read
+        grid = (cdiv(rows, settings.block_m), b * h_kv, splits)
+        jit.exact_attention_kernel[grid](
+            q_part, k, v, out_part, first, last_part, rows_index, k_scale if scaled else first,
+            v_scale if scaled else first, part_m, part_sum, part_acc, s_part, t, rows, splits,
+            float(scale), *q_part.stride(), *k.stride(), *v.stride(), *out_part.stride(), *last_part.stride(),
+            *scale_strides, GROUP=h // h_kv, HEADS_KV=h_kv, D=d, BLOCK_D=block_d, BLOCK_M=settings.block_m,
+            BLOCK_N=settings.block_n, KV_ROWS=kv_rows is not None, SCALED=scaled,
+            BF16_DOT=uses_tensor_cores(settings, q.dtype), SPLIT=split,
+            num_warps=settings.num_warps, num_stages=settings.num_stages,
         )  # fmt: skip
+        if split:
+            n_queries = b * h * s_part
+            jit.exact_attention_combine_kernel[(cdiv(n_queries, settings.combine_rows),)](
+                part_m, part_sum, part_acc, out_part, first, last_part, s_part, n_queries, splits,
+                *out_part.stride(), *last_part.stride(), HEADS=h, D=d, BLOCK_D=block_d,
+                BLOCK_R=settings.combine_rows, SPLIT=split,
+            )  # fmt: skip
     return out

@@ -175,6 +175,37 @@ def test_auto_takes_tensor_cores_for_bf16_queries_only(monkeypatch):
         _settings("tf32")
 
 
+@pytest.mark.parametrize(("device", "dot"), DEVICE_DOTS)
+def test_a_long_query_run_split_in_chunks_of_positions_keeps_every_bit(device, dot, monkeypatch):
+    """A training forward's split states are made a chunk of positions at a time
+    (``max_split_state_bytes``): 7 positions a chunk here, across the row blocks, gives the bits of
+    one launch over all 150."""
+    import dataclasses
+    import types
+
+    from jetrl_trainer.kernels import triton_exact_attention as module
+
+    b, h, h_kv, s, d = 2, 4, 2, 150, 32
+    q, k, v = (_rand(b, n, s, d, device=device, seed=i) for i, n in enumerate((h, h_kv, h_kv)))
+    first, last = _causal(b, s, [0, 37], device)
+    whole = module.exact_attention(q, k, v, first, last, 0.125, _settings(dot, 128))
+    per_position = b * h * 2 * (d + 2) * 4  # two splits of 128 keys cover the 150
+    chunked = dataclasses.replace(_settings(dot, 128), max_split_state_bytes=7 * per_position)
+    real, launches = module.load_jit("_triton_exact_attention_jit"), []
+
+    class Counted:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return real.exact_attention_kernel[grid]
+
+    monkeypatch.setattr(module, "load_jit", lambda name: types.SimpleNamespace(
+        exact_attention_kernel=Counted(), exact_attention_combine_kernel=real.exact_attention_combine_kernel))  # fmt: skip
+    assert torch.equal(module.exact_attention(q, k, v, first, last, 0.125, chunked), whole)
+    assert len(launches) == -(-s // 7)  # 22 chunks, each its own launch
+    with pytest.raises(ValueError, match="max_split_state_bytes"):
+        dataclasses.replace(chunked, max_split_state_bytes=0)
+
+
 def test_a_split_that_would_cut_a_key_tile_is_refused():
     """Splits are whole key tiles (a tile across two splits would be summed in neither's order)."""
     assert _settings("auto", 128).split_keys == 128
