@@ -69,18 +69,20 @@ def exact_attention(
     # per 16k sequence of the 8B shape) are made and merged a chunk of positions at a time. Each query's
     # bits are its own, whatever queries share its launch (the contract already has the decode's single
     # query meet the training forward's many), so the chunks change no bit.
-    chunk = max(1, settings.max_split_state_bytes // (b * h * splits * (d + 2) * 4)) if split else s
+    chunk = min(s, max(1, settings.max_split_state_bytes // (b * h * splits * (d + 2) * 4))) if split else s
+    # One set of state buffers for every chunk (a shorter last chunk uses their front), so the states never
+    # take more than the bound, as a new set allocated while the last one is still held would.
+    if split:
+        part_m = torch.empty(b * h * chunk * splits, dtype=torch.float32, device=q.device)
+        part_sum = torch.empty_like(part_m)
+        part_acc = torch.empty(b * h * chunk * splits, d, dtype=torch.float32, device=q.device)
+    else:
+        part_m = part_sum = part_acc = out  # not read
     for first_query in range(0, s, chunk):
         queries = slice(first_query, min(first_query + chunk, s))
         q_part, out_part, last_part = q[:, :, queries], out[:, :, queries], last[:, queries]
         s_part = q_part.shape[2]
         rows = (h // h_kv) * s_part
-        if split:
-            part_m = torch.empty(b * h * s_part * splits, dtype=torch.float32, device=q.device)
-            part_sum = torch.empty_like(part_m)
-            part_acc = torch.empty(b * h * s_part * splits, d, dtype=torch.float32, device=q.device)
-        else:
-            part_m = part_sum = part_acc = out  # not read
         grid = (cdiv(rows, settings.block_m), b * h_kv, splits)
         jit.exact_attention_kernel[grid](
             q_part, k, v, out_part, first, last_part, rows_index, k_scale if scaled else first,
