@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 # The full CPU preset fits every strategy x 3 seeds of one task in about 10 minutes on 2 cores
 # (docs/study.md). 300 warm-start steps: with fewer, countdown groups mostly earn equal rewards.
 FULL = dict(steps=40, prompts_per_step=4, num_generations=8, eval_prompts=64, warm_start_steps=300, seeds="0,1,2",
-            sft_examples=1024, temperature=1.0, learning_rate=2e-4)  # fmt: skip
+            sft_examples=1024, temperature=1.0, learning_rate=2e-4, eval_samples=0)  # fmt: skip
 FAST = dict(steps=3, prompts_per_step=2, num_generations=4, eval_prompts=16, warm_start_steps=10, seeds="0",
             sft_examples=128, strategies="bf16/fp8+ais,fp8/fp8")  # fmt: skip
 # The mismatch grows with the completion length, with the entropy of an undertrained policy, and
@@ -104,6 +104,12 @@ class CompareArguments:
         default="train",
         metadata={"help": "Precision of the evaluation: 'train' (the learner) or 'rollout' (the sampler)."},
     )
+    eval_samples: int | None = field(
+        default=None,
+        metadata={"help": "Also score this many completions per held-out prompt sampled at the rollout temperature "
+                          "(a nearly greedy warm start can learn to sample its greedy answer more often without "
+                          "changing it; preset 0: greedy only)."},
+    )  # fmt: skip
     sft_examples: int | None = field(default=None, metadata={"help": "Problems in the warm-start pool (preset 1024)."})
     difficulty: str | None = field(
         default=None, metadata={"help": "The task's difficulty knobs as k=v pairs, e.g. 'holes=8' or 'max_count=4'."}
@@ -212,6 +218,7 @@ def build(args: CompareArguments):
         prompts_per_step=args.prompts_per_step, num_generations=args.num_generations,
         max_completion_length=args.max_completion_length, temperature=args.temperature,
         learning_rate=args.learning_rate, eval_prompts=args.eval_prompts, eval_phase=args.eval_phase,
+        eval_samples=args.eval_samples,
         sft_examples=args.sft_examples, difficulty=_pairs(args.difficulty), trainer_kwargs=trainer_kwargs,
     )  # fmt: skip
     if args.device == "cuda" and not args.report_only:  # a report reads files only

@@ -4,6 +4,12 @@ Departs from `jetrl_trainer.tiny.evaluate_reward` (transformers ``generate``, sa
 it decodes greedily, so the score of a policy is one number rather than a draw, and it samples with
 ``trainer.rollout_backend`` in a chosen precision phase, which is the same code path as the rollouts
 (``generate`` for autoregressive models, the masked-diffusion sampler for LLaDA).
+
+``samples=k`` also scores k completions per prompt drawn as the rollouts draw them (the trainer's
+temperature). GRPO trains the sampling policy: a nearly deterministic warm start can learn to sample
+its greedy answer more often without changing that answer (session 35 measured this on the GPU), which
+the greedy score alone does not show. The draws come from a fixed seed inside a forked RNG, so the
+evaluation before and after training sees the same noise and the training's own RNG stream is untouched.
 """
 
 from __future__ import annotations
@@ -30,14 +36,33 @@ def greedy_sampling(sampling: Any) -> Any:
 
 
 @torch.no_grad()
-def evaluate_policy(trainer: Any, task: Any, dataset: Any, *, phase: str = "train", batch_size: int = 64) -> dict:
-    """``{"reward": mean reward, "accuracy": share of completions earning 1.0, "n": prompts}``."""
+def evaluate_policy(trainer: Any, task: Any, dataset: Any, *, phase: str = "train", batch_size: int = 64,
+                    samples: int = 0, seed: int = 0) -> dict:  # fmt: skip
+    """``{"reward": mean reward, "accuracy": share of completions earning 1.0, "n": prompts}`` of greedy
+    answers; with ``samples`` > 0 also ``sampled_reward`` and ``sampled_accuracy`` over ``samples`` sampled
+    completions per prompt (seeded by ``seed``)."""
     model = trainer.accelerator.unwrap_model(trainer.model)
-    tokenizer = trainer.processing_class
     prompts = list(dataset["prompt"])
+    columns = {k: list(dataset[k]) for k in dataset.column_names if k != "prompt"}
+    score = dict(trainer=trainer, model=model, task=task, phase=phase, batch_size=batch_size)
+    rewards = _rewards(prompts, columns, greedy_sampling(trainer.rollout_sampling), **score)
+    result = {"reward": _mean(rewards), "accuracy": _exact_share(rewards), "n": len(rewards)}
+    if samples:
+        repeated = [p for p in prompts for _ in range(samples)]
+        repeated_columns = {k: [v for v in values for _ in range(samples)] for k, values in columns.items()}
+        devices = [model.device.index or 0] if model.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            drawn = _rewards(repeated, repeated_columns, trainer.rollout_sampling, **score)
+        result.update(sampled_reward=_mean(drawn), sampled_accuracy=_exact_share(drawn), samples=samples)
+    return result
+
+
+def _rewards(prompts: list, columns: dict, sampling: Any, *, trainer: Any, model: Any, task: Any, phase: str,
+             batch_size: int) -> list[float]:  # fmt: skip
+    tokenizer = trainer.processing_class
     prompt_ids = tokenizer.apply_chat_template(prompts, add_generation_prompt=True, tokenize=True,
                                                return_dict=True)["input_ids"]  # fmt: skip
-    sampling = greedy_sampling(trainer.rollout_sampling)
     was_training = model.training
     model.eval()
     completion_ids: list[list[int]] = []
@@ -47,9 +72,14 @@ def evaluate_policy(trainer: Any, task: Any, dataset: Any, *, phase: str = "trai
             completion_ids += trainer.rollout_backend.generate(model, batch, sampling).completion_ids
     model.train(was_training)
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-    columns = {k: list(dataset[k]) for k in dataset.column_names if k != "prompt"}
     rewards = task.reward_fn(prompts=prompts, completions=[[{"role": "assistant", "content": t}] for t in texts],
                              **columns)  # fmt: skip
-    rewards = [0.0 if r is None else float(r) for r in rewards]
-    return {"reward": sum(rewards) / len(rewards), "accuracy": sum(r >= 1.0 for r in rewards) / len(rewards),
-            "n": len(rewards)}  # fmt: skip
+    return [0.0 if r is None else float(r) for r in rewards]
+
+
+def _mean(rewards: list[float]) -> float:
+    return sum(rewards) / len(rewards)
+
+
+def _exact_share(rewards: list[float]) -> float:
+    return sum(r >= 1.0 for r in rewards) / len(rewards)

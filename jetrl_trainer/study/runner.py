@@ -195,7 +195,8 @@ def _run_one(spec, strategy, seed, base, tokenizer, task, data: StudyData, outpu
                     control.should_save = control.should_training_stop = True
 
         trainer.add_callback(StopAtDeadline())
-    before = evaluate_policy(trainer, task, data.eval, phase=spec.eval_phase)  # the start: a resume rebuilt it
+    evaluation = dict(phase=spec.eval_phase, samples=spec.eval_samples, seed=seed)
+    before = evaluate_policy(trainer, task, data.eval, **evaluation)  # the start: a resume rebuilt it
     start = time.perf_counter()
     trainer.train(resume_from_checkpoint=True if resume else None)  # True: the newest complete checkpoint
     if trainer.state.global_step < spec.steps:  # stopped at the deadline, its checkpoint saved
@@ -203,7 +204,7 @@ def _run_one(spec, strategy, seed, base, tokenizer, task, data: StudyData, outpu
         gc.collect()
         return False
     seconds = time.perf_counter() - start + sum(row["time/step_s"] for row in recorder.rows[: recorder.restored])
-    after = evaluate_policy(trainer, task, data.eval, phase=spec.eval_phase)
+    after = evaluate_policy(trainer, task, data.eval, **evaluation)
     result = {"strategy": strategy.name, "seed": seed, **started, "rows": len(recorder.rows),
               "train_seconds": seconds, "eval_before": before, "eval_after": after}  # fmt: skip
     if recorder.restored:

@@ -34,6 +34,8 @@ class StudySpec:
             warm start or in GRPO.
         eval_phase: precision phase of the evaluation: ``"train"`` (the learner's policy) or
             ``"rollout"`` (the sampler's).
+        eval_samples: completions sampled per held-out prompt at the rollout temperature, scored beside
+            the greedy answer (``sampled_accuracy`` in each run's result); 0: greedy only.
         final_window: the table's final reward is the mean reward of the last this-many steps;
             ``None`` = a fifth of the steps (at least 1).
         sft_examples: problems in the warm-start pool.
@@ -52,6 +54,7 @@ class StudySpec:
     learning_rate: float = 1e-3
     eval_prompts: int = 64
     eval_phase: str = "train"
+    eval_samples: int = 0
     final_window: int | None = None
     sft_examples: int = 1024
     difficulty: dict[str, Any] = field(default_factory=dict)
@@ -67,6 +70,9 @@ class StudySpec:
             raise ValueError(f"seeds must be distinct and at least one; got {self.seeds!r}.")
         for name in ("steps", "prompts_per_step", "eval_prompts", "sft_examples"):
             _check_positive(name, getattr(self, name))
+        if isinstance(self.eval_samples, bool) or not isinstance(self.eval_samples, int) or self.eval_samples < 0:
+            raise ValueError(f"eval_samples must be a count >= 0 (0: greedy evaluation only); got "
+                             f"{self.eval_samples!r}.")  # fmt: skip
         if self.num_generations < 2:
             raise ValueError(f"num_generations must be >= 2 (GRPO compares completions in a group); got "
                              f"{self.num_generations}.")  # fmt: skip
@@ -99,6 +105,8 @@ class StudySpec:
         settings = asdict(self)
         for name in _NOT_PER_RUN:
             settings.pop(name)
+        if not settings["eval_samples"]:  # the default leaves the settings of runs made before it existed as they were
+            settings.pop("eval_samples")
         return settings
 
 

@@ -43,6 +43,8 @@ class StrategyRow:
     dlogp_max: float
     rollout_s: float  # per step
     train_s: float
+    sampled_before: tuple[float, float] | None = None  # accuracy of sampled answers (StudySpec.eval_samples)
+    sampled_after: tuple[float, float] | None = None
 
 
 def load_runs(output_dir, spec: StudySpec) -> list[Run]:
@@ -80,19 +82,37 @@ def summarize(runs: list[Run], window: int) -> list[StrategyRow]:
             dlogp_max=max(max(_column(r.rows, DLOGP_MAX) or [0.0]) for r in mine),
             rollout_s=statistics.fmean(statistics.median(_column(r.rows, "time/rollout_s")) for r in mine),
             train_s=statistics.fmean(statistics.median(_column(r.rows, "time/train_s")) for r in mine),
+            sampled_before=_sampled(mine, "eval_before"), sampled_after=_sampled(mine, "eval_after"),
         ))  # fmt: skip
     return table
 
 
-def _pm(pair: tuple[float, float]) -> str:
+def _sampled(runs: list[Run], when: str) -> tuple[float, float] | None:
+    found = [r.result[when]["sampled_accuracy"] for r in runs if "sampled_accuracy" in r.result[when]]
+    return _mean_std(found) if len(found) == len(runs) else None
+
+
+def _pm(pair: tuple[float, float] | None) -> str:
+    if pair is None:
+        return "–"
     return f"{pair[0]:.3f} ± {pair[1]:.3f}"
 
 
-def format_row(row: StrategyRow) -> str:
+def format_row(row: StrategyRow, sampled: bool = False) -> str:
     cells = [f"`{row.strategy}`", str(row.seeds), _pm(row.final_reward), _pm(row.eval_before), _pm(row.eval_after),
              _pm(row.eval_reward_after),
+             *((_pm(row.sampled_before), _pm(row.sampled_after)) if sampled else ()),
              f"{row.dlogp_mean:.2e}", f"{row.dlogp_max:.2e}", f"{row.rollout_s:.2f}", f"{row.train_s:.2f}"]  # fmt: skip
     return "| " + " | ".join(cells) + " |"
+
+
+def _header(sampled: bool) -> str:
+    if not sampled:
+        return _HEADER
+    head, rule = _HEADER.split("\n")
+    head = head.replace("| eval reward after RL |",
+                        "| eval reward after RL | sampled acc. before RL | sampled acc. after RL |")
+    return head + "\n" + rule + "---|---|"
 
 
 _HEADER = (
@@ -106,6 +126,7 @@ def write_table(
 ) -> None:
     rows = summarize(runs, spec.window)
     n_eval = runs[0].result["eval_after"]["n"] if runs else 0
+    sampled = spec.eval_samples > 0
     shown = ", ".join(f"{k}={v}" for k, v in model.items() if k != "builder")
     text = f"""# Strategy study: {spec.task}
 
@@ -116,14 +137,19 @@ learning rate {spec.learning_rate}; seeds {', '.join(map(str, spec.seeds))}.
 * final reward: mean training reward of the last {spec.window} steps of a run; mean ± sample std over seeds.
 * eval acc.: share of {n_eval} held-out prompts (never seen in the warm start or GRPO) answered exactly \
 (reward 1.0), greedy decoding, {spec.eval_phase}-phase precision; eval reward: the mean task reward of those \
-answers; mean ± sample std over seeds.
+answers; mean ± sample std over seeds.{_sampled_note(spec) if sampled else ""}
 * mean / max |Δlogp|: `{DLOGP_MEAN}` averaged over steps and seeds / `{DLOGP_MAX}` maxed over steps and seeds.
 * s/step: median over the steps of a run, mean over seeds; rollout = `rollout_backend.generate`, training = the rest \
 of the optimizer step.
 
-{_HEADER}
-""" + "".join(format_row(r) + "\n" for r in rows) + _mixed_starts_note(runs) + _missing_note(missing)  # fmt: skip
+{_header(sampled)}
+""" + "".join(format_row(r, sampled) + "\n" for r in rows) + _mixed_starts_note(runs) + _missing_note(missing)  # fmt: skip
     path.write_text(text)
+
+
+def _sampled_note(spec: StudySpec) -> str:
+    return (f"\n* sampled acc.: the same share over {spec.eval_samples} completions per held-out prompt sampled at "
+            f"temperature {spec.temperature}, as the rollouts sample (fixed draws: the same before and after RL).")
 
 
 def _missing_note(missing: Sequence[str]) -> str:

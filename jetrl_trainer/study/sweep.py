@@ -40,6 +40,8 @@ class SweepRun:
     mean_completion_tokens: float
     seconds_per_step: float  # median
     rewards: list[float]  # per step, for the plot
+    sampled_before: float | None = None  # held-out accuracy of sampled completions (StudySpec.eval_samples)
+    sampled_after: float | None = None
 
 
 def load_sweep(folders: Sequence[str | os.PathLike], window: int = 30) -> list[SweepRun]:
@@ -65,20 +67,27 @@ def load_sweep(folders: Sequence[str | os.PathLike], window: int = 30) -> list[S
                 reward_last=statistics.fmean(tail),
                 mean_completion_tokens=statistics.fmean(lengths) if lengths else 0.0,
                 seconds_per_step=statistics.median(r["time/step_s"] for r in rows), rewards=rewards,
+                sampled_before=result["eval_before"].get("sampled_accuracy"),
+                sampled_after=result["eval_after"].get("sampled_accuracy"),
             ))  # fmt: skip
     return runs
 
 
 def _table(runs: list[SweepRun], window: int) -> str:
+    sampled = any(r.sampled_after is not None for r in runs)  # the column only where some run measured it
     lines = [f"| run | strategy | seed | learning rate | temperature | prompts × steps "
-             f"| held-out accuracy before → after | training reward, first → last {window} steps "
-             "| completion tokens | s / step |",
-             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             f"| held-out accuracy before → after |{' sampled accuracy before → after |' if sampled else ''} "
+             f"training reward, first → last {window} steps | completion tokens | s / step |",
+             "|---|---|---|---|---|---|---|" + ("---|" if sampled else "") + "---|---|---|"]  # fmt: skip
     for r in runs:
         s = r.settings
+        drawn = ""
+        if sampled:
+            drawn = (f" {100 * r.sampled_before:.1f}% → **{100 * r.sampled_after:.1f}%** |"
+                     if r.sampled_after is not None else " – |")  # fmt: skip
         lines.append(f"| {r.folder} | `{r.strategy}` | {r.seed} | {s['learning_rate']:g} | {s['temperature']:g} | "
                      f"{s['prompts_per_step']} × {s['steps']} | {100 * r.accuracy_before:.1f}% → "
-                     f"**{100 * r.accuracy_after:.1f}%** (n={r.eval_prompts}) | {r.reward_first:.3f} → "
+                     f"**{100 * r.accuracy_after:.1f}%** (n={r.eval_prompts}) |{drawn} {r.reward_first:.3f} → "
                      f"{r.reward_last:.3f} | {r.mean_completion_tokens:.0f} | {r.seconds_per_step:.2f} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 

@@ -105,6 +105,12 @@ def test_spec_validation():
         StudySpec(task="countdown", eval_phase="eval")
     with pytest.raises(ValueError, match=r"trainer_kwargs must not set \['corrector'\]"):
         StudySpec(task="countdown", trainer_kwargs={"corrector": "tis"})
+    with pytest.raises(ValueError, match=r"eval_samples must be a count >= 0 \(0: greedy evaluation only\)"):
+        StudySpec(task="countdown", eval_samples=-1)
+    # The default leaves a run's recorded settings as they were before the field existed, so finished runs
+    # from then still resume and tabulate; asking for sampled scores makes it part of the run's identity.
+    assert "eval_samples" not in StudySpec(task="countdown").run_settings()
+    assert StudySpec(task="countdown", eval_samples=4).run_settings()["eval_samples"] == 4
 
 
 # ---------------------------------------------------------------------------------- the CLI
@@ -482,16 +488,55 @@ def test_processes_sharing_a_start_cache_record_the_same_start(tmp_path, one_thr
 # ---------------------------------------------------------------------------------- sweep report
 
 
-def _fake_run(folder: Path, lr: float, rewards: list[float], before: float, after: float) -> None:
+def test_sampled_evaluation_scores_drawn_answers_and_leaves_the_training_as_it_was(tmp_path, one_thread):
+    """``eval_samples=3``: each run's result holds the accuracy and reward of 3 sampled completions per held-out
+    prompt beside the greedy ones, the same draws before and after (a rerun gives the same figures), the table
+    shows them, and the training logs every number of a run without it: the draws come from a forked RNG."""
+    common = dict(task="arithmetic", strategies=("bf16/bf16",), seeds=(0,), steps=3, prompts_per_step=2,
+                  num_generations=2, eval_prompts=6, sft_examples=8, learning_rate=1e-3)  # fmt: skip
+    model = TinyModel("qwen3", warm_start_steps=2, warm_start_batch_size=4)
+    quiet = dict(progress=False, log=lambda _: None)
+    run_study(StudySpec(**common), model, tmp_path / "greedy", **quiet)
+    sampled_spec = StudySpec(**common, eval_samples=3)
+    run_study(sampled_spec, model, tmp_path / "sampled", **quiet)
+    greedy_rows, greedy = _read(tmp_path / "greedy" / "bf16-bf16" / "seed0")
+    rows, result = _read(tmp_path / "sampled" / "bf16-bf16" / "seed0")
+    timing = ("time/step_s", "time/rollout_s", "time/train_s", "step_time")
+    assert [{k: v for k, v in r.items() if k not in timing} for r in rows] == [
+        {k: v for k, v in r.items() if k not in timing} for r in greedy_rows]
+    for when in ("eval_before", "eval_after"):
+        evaluation = result[when]
+        assert {k: evaluation[k] for k in ("reward", "accuracy", "n")} == greedy[when]  # the greedy part unchanged
+        assert evaluation["samples"] == 3 and 0 <= evaluation["sampled_accuracy"] <= 1
+        # 18 draws: accuracy is a multiple of 1/18
+        assert round(evaluation["sampled_accuracy"] * 18, 9) == round(evaluation["sampled_accuracy"] * 18)
+        assert 0 <= evaluation["sampled_reward"] <= 1
+    assert result["settings"]["eval_samples"] == 3
+    cells = _table(tmp_path / "sampled")["bf16/bf16"]
+    assert cells[5:7] == [f"{result['eval_before']['sampled_accuracy']:.3f} ± 0.000",
+                          f"{result['eval_after']['sampled_accuracy']:.3f} ± 0.000"]  # fmt: skip
+    assert "sampled acc. after RL" in (tmp_path / "sampled" / "study.md").read_text()
+    assert "sampled acc." not in (tmp_path / "greedy" / "study.md").read_text()
+    shutil.rmtree(tmp_path / "sampled" / "bf16-bf16")
+    run_study(sampled_spec, model, tmp_path / "sampled", **quiet)  # the same draws again
+    assert _read(tmp_path / "sampled" / "bf16-bf16" / "seed0")[1]["eval_after"] == result["eval_after"]
+
+
+def _fake_run(folder: Path, lr: float, rewards: list[float], before: float, after: float,
+              sampled: tuple[float, float] | None = None) -> None:  # fmt: skip
     from jetrl_trainer.study._files import write_run
 
     rows = [{"step": i + 1, "reward": r, "completions/mean_length": 200.0 + i, "time/step_s": 1.0 + i % 2}
             for i, r in enumerate(rewards)]  # fmt: skip
     settings = {"learning_rate": lr, "temperature": 0.7, "prompts_per_step": 8, "steps": len(rewards)}
+
+    def drawn(when: int) -> dict:
+        return {"sampled_accuracy": sampled[when]} if sampled else {}
+
     write_run(folder / "bf16-bf16" / "seed0", rows, {
         "strategy": "bf16/bf16", "seed": 0, "settings": settings, "rows": len(rows),
-        "eval_before": {"accuracy": before, "reward": 0.0, "n": 256},
-        "eval_after": {"accuracy": after, "reward": 0.0, "n": 256},
+        "eval_before": {"accuracy": before, "reward": 0.0, "n": 256, **drawn(0)},
+        "eval_after": {"accuracy": after, "reward": 0.0, "n": 256, **drawn(1)},
     })  # fmt: skip
 
 
@@ -516,3 +561,11 @@ def test_the_sweep_report_computes_every_figure_from_the_runs_files(tmp_path, ca
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(SystemExit, match="holds no finished run"):
         cli.main([str(tmp_path / "report"), "--out", str(out)])
+    # A run that scored sampled answers adds that column; a run that did not shows a dash in it.
+    _fake_run(tmp_path / "t1.3", 1e-6, [0.1, 0.2, 0.3, 0.4], before=0.40, after=0.41, sampled=(0.20, 0.31))
+    assert cli.main([str(tmp_path / "lr1e-6"), str(tmp_path / "t1.3"), "--out", str(out), "--window", "2"]) == 0
+    table = out.with_suffix(".md").read_text()
+    assert "| sampled accuracy before → after |" in table
+    assert "| 40.0% → **41.0%** (n=256) | 20.0% → **31.0%** | 0.150 → 0.350 |" in table
+    assert "| 40.0% → **45.0%** (n=256) | – | 0.150 → 0.350 |" in table
+    assert json.loads(out.with_suffix(".json").read_text())[1]["sampled_after"] == 0.31
