@@ -76,6 +76,12 @@ class CompareArguments:
     rollout_backend: str | None = field(
         default=None, metadata={"help": "JetGRPOConfig.rollout_backend of every run, e.g. 'engine' (unset: 'auto')."}
     )
+    gradient_checkpointing: bool = field(
+        default=False,
+        metadata={"help": "Recompute each layer in the backward (transformers' gradient checkpointing): a 0.3B run of "
+                          "16 prompts x 8 completions of 266 tokens otherwise holds 57 GiB, so runs side by side on "
+                          "an 80 GB GPU need it."},
+    )  # fmt: skip
     warm_start_lr: float | None = field(
         default=None, metadata={"help": "Peak learning rate of a tiny model's SFT warm start (preset 3e-3)."}
     )
@@ -213,6 +219,8 @@ def build(args: CompareArguments):
     trainer_kwargs = {} if args.diffusion_steps is None else {"diffusion_steps": args.diffusion_steps}
     if args.rollout_backend is not None:
         trainer_kwargs["rollout_backend"] = args.rollout_backend
+    if args.gradient_checkpointing:
+        trainer_kwargs["gradient_checkpointing"] = True
     spec = StudySpec(
         task=args.task, strategies=tuple(strategies), seeds=_ints(args.seeds), steps=args.steps,
         prompts_per_step=args.prompts_per_step, num_generations=args.num_generations,

@@ -522,6 +522,40 @@ def test_sampled_evaluation_scores_drawn_answers_and_leaves_the_training_as_it_w
     assert _read(tmp_path / "sampled" / "bf16-bf16" / "seed0")[1]["eval_after"] == result["eval_after"]
 
 
+def test_gradient_checkpointing_runs_log_the_numbers_of_runs_without_it(tmp_path, monkeypatch, one_thread):
+    """``--gradient_checkpointing`` (the memory that lets GPU runs sit side by side) reaches each run's trainer,
+    which enables it on the model, and on CPU the run logs every number of the same run without it."""
+    import transformers
+
+    cli = _script_module()
+    spec, _ = cli.build(cli.parse(["--fast", "--gradient_checkpointing"]))
+    assert spec.trainer_kwargs == {"gradient_checkpointing": True}
+    assert cli.build(cli.parse(["--fast"]))[0].trainer_kwargs == {}
+    enabled = []
+    real_enable = transformers.PreTrainedModel.gradient_checkpointing_enable
+
+    def recording_enable(self, *args, **kwargs):
+        enabled.append(type(self).__name__)
+        return real_enable(self, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "gradient_checkpointing_enable", recording_enable)
+    common = dict(task="arithmetic", strategies=("bf16/bf16",), seeds=(0,), steps=3, prompts_per_step=2,
+                  num_generations=2, eval_prompts=6, sft_examples=8, learning_rate=1e-3)  # fmt: skip
+    model = TinyModel("qwen3", warm_start_steps=2, warm_start_batch_size=4)
+    quiet = dict(progress=False, log=lambda _: None)
+    run_study(StudySpec(**common), model, tmp_path / "plain", **quiet)
+    assert not enabled
+    run_study(StudySpec(**common, trainer_kwargs={"gradient_checkpointing": True}), model, tmp_path / "gc", **quiet)
+    assert enabled
+    timing = ("time/step_s", "time/rollout_s", "time/train_s", "step_time")
+    plain_rows, plain = _read(tmp_path / "plain" / "bf16-bf16" / "seed0")
+    rows, result = _read(tmp_path / "gc" / "bf16-bf16" / "seed0")
+    assert [{k: v for k, v in r.items() if k not in timing} for r in rows] == [
+        {k: v for k, v in r.items() if k not in timing} for r in plain_rows]
+    assert result["eval_after"] == plain["eval_after"]
+    assert result["settings"]["trainer_kwargs"] == {"gradient_checkpointing": True}
+
+
 def _fake_run(folder: Path, lr: float, rewards: list[float], before: float, after: float,
               sampled: tuple[float, float] | None = None) -> None:  # fmt: skip
     from jetrl_trainer.study._files import write_run
