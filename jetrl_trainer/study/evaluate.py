@@ -44,25 +44,28 @@ def evaluate_policy(trainer: Any, task: Any, dataset: Any, *, phase: str = "trai
     model = trainer.accelerator.unwrap_model(trainer.model)
     prompts = list(dataset["prompt"])
     columns = {k: list(dataset[k]) for k in dataset.column_names if k != "prompt"}
+    prompt_ids = trainer.processing_class.apply_chat_template(prompts, add_generation_prompt=True, tokenize=True,
+                                                              return_dict=True)["input_ids"]  # fmt: skip
     score = dict(trainer=trainer, model=model, task=task, phase=phase, batch_size=batch_size)
-    rewards = _rewards(prompts, columns, greedy_sampling(trainer.rollout_sampling), **score)
+    rewards = _rewards(prompts, prompt_ids, columns, greedy_sampling(trainer.rollout_sampling), **score)
     result = {"reward": _mean(rewards), "accuracy": _exact_share(rewards), "n": len(rewards)}
     if samples:
-        repeated = [p for p in prompts for _ in range(samples)]
-        repeated_columns = {k: [v for v in values for _ in range(samples)] for k, values in columns.items()}
+        def repeat(values: list) -> list:
+            return [v for v in values for _ in range(samples)]
+
         devices = [model.device.index or 0] if model.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(seed)
-            drawn = _rewards(repeated, repeated_columns, trainer.rollout_sampling, **score)
+            drawn = _rewards(repeat(prompts), repeat(prompt_ids), {k: repeat(v) for k, v in columns.items()},
+                             trainer.rollout_sampling, **score)  # fmt: skip
         result.update(sampled_reward=_mean(drawn), sampled_accuracy=_exact_share(drawn), samples=samples)
     return result
 
 
-def _rewards(prompts: list, columns: dict, sampling: Any, *, trainer: Any, model: Any, task: Any, phase: str,
-             batch_size: int) -> list[float]:  # fmt: skip
+def _rewards(prompts: list, prompt_ids: list, columns: dict, sampling: Any, *, trainer: Any, model: Any, task: Any,
+             phase: str, batch_size: int) -> list[float]:  # fmt: skip
+    """The task's reward of one completion per prompt, generated with ``sampling`` in ``phase``."""
     tokenizer = trainer.processing_class
-    prompt_ids = tokenizer.apply_chat_template(prompts, add_generation_prompt=True, tokenize=True,
-                                               return_dict=True)["input_ids"]  # fmt: skip
     was_training = model.training
     model.eval()
     completion_ids: list[list[int]] = []

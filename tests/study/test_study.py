@@ -206,6 +206,12 @@ def _table(out: Path) -> dict[str, list[str]]:
     return cells
 
 
+def _untimed(rows: list[dict]) -> list[dict]:
+    """A run's logged rows without the clock readings (step_time: TRL's), which no two runs share."""
+    timing = ("time/step_s", "time/rollout_s", "time/train_s", "step_time")
+    return [{k: v for k, v in r.items() if k not in timing} for r in rows]
+
+
 def _read(folder: Path) -> tuple[list[dict], dict]:
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     return rows, json.loads((folder / "result.json").read_text())
@@ -378,9 +384,7 @@ def test_a_run_interrupted_after_a_checkpoint_continues_from_it_to_the_uninterru
     run_study(spec, model, tmp_path / "parts", checkpoint_every=2, **quiet)
     rows, result = _read(folder)
     assert result["resumed_after_step"] == 2 and [r["step"] for r in rows] == [1, 2, 3, 4]
-    timing = ("time/step_s", "time/rollout_s", "time/train_s", "step_time")  # step_time: TRL's clock
-    assert [{k: v for k, v in r.items() if k not in timing} for r in rows] == [
-        {k: v for k, v in r.items() if k not in timing} for r in whole_rows]
+    assert _untimed(rows) == _untimed(whole_rows)
     assert all(r[k] > 0 for r in rows for k in ("time/step_s", "time/rollout_s"))
     assert result["eval_before"] == whole["eval_before"] and result["eval_after"] == whole["eval_after"]
     assert result["start_fingerprint"] == whole["start_fingerprint"]
@@ -407,8 +411,7 @@ def test_a_run_interrupted_after_a_checkpoint_continues_from_it_to_the_uninterru
     assert again.ran == ("bf16/bf16 seed 0",) and again.stopped == ()
     rows, result = _read(timed)
     assert result["resumed_after_step"] == 2 and result["eval_after"] == whole["eval_after"]
-    assert [{k: v for k, v in r.items() if k not in timing} for r in rows] == [
-        {k: v for k, v in r.items() if k not in timing} for r in whole_rows]
+    assert _untimed(rows) == _untimed(whole_rows)
 
     other = tmp_path / "other" / "bf16-bf16" / "seed0"
     shutil.copytree(tmp_path / "whole", tmp_path / "other")
@@ -501,9 +504,7 @@ def test_sampled_evaluation_scores_drawn_answers_and_leaves_the_training_as_it_w
     run_study(sampled_spec, model, tmp_path / "sampled", **quiet)
     greedy_rows, greedy = _read(tmp_path / "greedy" / "bf16-bf16" / "seed0")
     rows, result = _read(tmp_path / "sampled" / "bf16-bf16" / "seed0")
-    timing = ("time/step_s", "time/rollout_s", "time/train_s", "step_time")
-    assert [{k: v for k, v in r.items() if k not in timing} for r in rows] == [
-        {k: v for k, v in r.items() if k not in timing} for r in greedy_rows]
+    assert _untimed(rows) == _untimed(greedy_rows)
     for when in ("eval_before", "eval_after"):
         evaluation = result[when]
         assert {k: evaluation[k] for k in ("reward", "accuracy", "n")} == greedy[when]  # the greedy part unchanged
@@ -547,11 +548,9 @@ def test_gradient_checkpointing_runs_log_the_numbers_of_runs_without_it(tmp_path
     assert not enabled
     run_study(StudySpec(**common, trainer_kwargs={"gradient_checkpointing": True}), model, tmp_path / "gc", **quiet)
     assert enabled
-    timing = ("time/step_s", "time/rollout_s", "time/train_s", "step_time")
     plain_rows, plain = _read(tmp_path / "plain" / "bf16-bf16" / "seed0")
     rows, result = _read(tmp_path / "gc" / "bf16-bf16" / "seed0")
-    assert [{k: v for k, v in r.items() if k not in timing} for r in rows] == [
-        {k: v for k, v in r.items() if k not in timing} for r in plain_rows]
+    assert _untimed(rows) == _untimed(plain_rows)
     assert result["eval_after"] == plain["eval_after"]
     assert result["settings"]["trainer_kwargs"] == {"gradient_checkpointing": True}
 
