@@ -228,10 +228,11 @@ def test_fast_run_writes_runs_table_and_plot(fast_study):
         assert [r["step"] for r in rows] == [1, 2, 3] and result["rows"] == 3 and result["strategy"] == name
         # every number of the row, recomputed from the metrics file and the result
         final = statistics.fmean(r["reward"] for r in rows[-1:])  # window = max(1, 3 // 5)
-        seeds, reward, before, after, eval_reward, dmean, dmax, rollout, train = table[name]
+        seeds, reward, before, after, gain, eval_reward, dmean, dmax, rollout, train = table[name]
         assert seeds == "1" and reward == f"{final:.3f} ± 0.000"
         assert before == f"{result['eval_before']['accuracy']:.3f} ± 0.000"
         assert after == f"{result['eval_after']['accuracy']:.3f} ± 0.000" and result["eval_after"]["n"] == 16
+        assert gain == f"{100 * (result['eval_after']['accuracy'] - result['eval_before']['accuracy']):+.1f}"
         assert eval_reward == f"{result['eval_after']['reward']:.3f} ± 0.000"
         assert dmean == f"{statistics.fmean(r['mismatch/logp_abs_diff_mean'] for r in rows):.2e}"
         assert dmax == f"{max(r['mismatch/logp_abs_diff_max'] for r in rows):.2e}"
@@ -249,6 +250,33 @@ def test_fast_run_writes_runs_table_and_plot(fast_study):
     # Same seed, same warm start, same prompts, same FP8 sampler at step 1: the same completions.
     for key in ("reward", "completions/mean_length", "num_tokens"):
         assert ais_rows[0][key] == unified_rows[0][key], key
+
+
+def test_the_accuracy_gain_is_paired_by_seed_with_a_student_t_interval():
+    """Three seeds whose starts differ: the gain is each seed's after minus its own before (mean 12 points,
+    not the difference of the means' spreads), its interval t(0.975, 2) = 4.303 x sd / sqrt(3); one seed
+    gives no interval; a run without sampled answers leaves the sampled gain out."""
+    from jetrl_trainer.study.summary import Run, format_row, mean_interval, summarize
+
+    def run(seed: int, before: float, after: float, sampled: tuple[float, float] | None) -> Run:
+        drawn = (lambda x: {"sampled_accuracy": x}) if sampled else (lambda x: {})
+        rows = [{"reward": 0.5, "time/rollout_s": 1.0, "time/train_s": 1.0}]
+        result = {"eval_before": {"accuracy": before, "reward": before, **drawn(sampled and sampled[0])},
+                  "eval_after": {"accuracy": after, "reward": after, **drawn(sampled and sampled[1])}}  # fmt: skip
+        return Run("bf16/bf16", seed, rows, result)
+
+    runs = [run(0, 0.30, 0.40, (0.2, 0.3)), run(1, 0.50, 0.64, (0.3, 0.5)), run(2, 0.40, 0.52, (0.25, 0.4))]
+    (row,) = summarize(runs, window=1)
+    mean, half = row.eval_gain
+    assert mean == pytest.approx(0.12) and half == pytest.approx(4.303 * 0.02 / 3**0.5)
+    assert row.sampled_gain[0] == pytest.approx(0.15) and row.sampled_gain[1] == pytest.approx(4.303 * 0.05 / 3**0.5)
+    cells = format_row(row, sampled=True).split(" | ")
+    assert cells[5] == "+12.0 ± 5.0" and cells[9] == "+15.0 ± 12.4"
+    assert mean_interval([0.1]) == (0.1, None) and format_row(summarize(runs[:1], 1)[0]).split(" | ")[5] == "+10.0"
+    (row,) = summarize([run(0, 0.3, 0.4, None)], window=1)
+    assert row.sampled_gain is None
+    assert mean_interval([1.0] * 40)[1] == 0.0 and mean_interval([0.0, 1.0] * 20)[1] == pytest.approx(
+        2.042 * statistics.stdev([0.0, 1.0] * 20) / 40**0.5)  # beyond 30 degrees of freedom: the value at 30
 
 
 def test_resume_skips_finished_runs_and_redoes_unfinished_ones(fast_study, capsys, one_thread):
@@ -514,8 +542,8 @@ def test_sampled_evaluation_scores_drawn_answers_and_leaves_the_training_as_it_w
         assert 0 <= evaluation["sampled_reward"] <= 1
     assert result["settings"]["eval_samples"] == 3
     cells = _table(tmp_path / "sampled")["bf16/bf16"]
-    assert cells[5:7] == [f"{result['eval_before']['sampled_accuracy']:.3f} ± 0.000",
-                          f"{result['eval_after']['sampled_accuracy']:.3f} ± 0.000"]  # fmt: skip
+    before, after = result["eval_before"]["sampled_accuracy"], result["eval_after"]["sampled_accuracy"]
+    assert cells[6:9] == [f"{before:.3f} ± 0.000", f"{after:.3f} ± 0.000", f"{100 * (after - before):+.1f}"]
     assert "sampled acc. after RL" in (tmp_path / "sampled" / "study.md").read_text()
     assert "sampled acc." not in (tmp_path / "greedy" / "study.md").read_text()
     shutil.rmtree(tmp_path / "sampled" / "bf16-bf16")
