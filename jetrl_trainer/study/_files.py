@@ -4,7 +4,8 @@ Layout: ``<output_dir>/<strategy slug>/seed<k>/{metrics.jsonl, result.json}``. B
 written to a temporary name and renamed into place once the run has finished; ``result.json``
 comes last and is the done-marker. A run killed halfway leaves neither, and is run again: from its
 newest checkpoint where it saved them (``run_study(checkpoint_every=N)``: ``checkpoint-<step>/``
-beside ``started.json``, the settings it began with), from the start otherwise.
+beside ``started.json``, the settings it began with, and ``eval_before.json``, the evaluation of its start,
+which a resume reads instead of evaluating the start again), from the start otherwise.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-__all__ = ["read_run", "read_started", "run_dir", "write_run", "write_started"]
+__all__ = ["read_eval_before", "read_run", "read_started", "run_dir", "write_eval_before", "write_run", "write_started"]
 
-METRICS, RESULT, STARTED = "metrics.jsonl", "result.json", "started.json"
+METRICS, RESULT, STARTED, EVAL_BEFORE = "metrics.jsonl", "result.json", "started.json", "eval_before.json"
 
 
 def run_dir(output_dir: str | os.PathLike, slug: str, seed: int) -> Path:
@@ -52,7 +53,21 @@ def write_started(folder: Path, identity: dict[str, Any]) -> None:
 
 
 def read_started(folder: Path) -> dict[str, Any] | None:
+    return _read_json(folder / STARTED)
+
+
+def write_eval_before(folder: Path, evaluation: dict[str, Any]) -> None:
+    """The held-out evaluation of a checkpointed run's start: on the GPU preset (256 prompts, several sampled
+    answers each) it takes about a minute, which every resumed call of a run would otherwise spend again."""
+    _write_atomic(folder / EVAL_BEFORE, json.dumps(evaluation, indent=1) + "\n")
+
+
+def read_eval_before(folder: Path) -> dict[str, Any] | None:
+    return _read_json(folder / EVAL_BEFORE)
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
     try:
-        return json.loads((folder / STARTED).read_text())
+        return json.loads(path.read_text())
     except (OSError, ValueError):
         return None

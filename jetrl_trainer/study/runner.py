@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ._files import read_run, read_started, run_dir, write_run, write_started
+from ._files import (EVAL_BEFORE, STARTED, read_eval_before, read_run, read_started, run_dir, write_eval_before,
+                     write_run, write_started)  # fmt: skip
 from .data import StudyData, make_study_data
 from .models import ModelBuilder, PretrainedModel, describe_builder
 from .spec import StudySpec
@@ -177,7 +178,8 @@ def _run_one(spec, strategy, seed, base, tokenizer, task, data: StudyData, outpu
     folder = run_dir(output_dir, strategy.slug, seed)
     started = {**identity, "start_fingerprint": start_fingerprint}
     resume = _resumable(folder, started)
-    if (checkpoint_every or deadline is not None) and not resume:
+    checkpointed = bool(checkpoint_every) or deadline is not None
+    if checkpointed and not resume:
         write_started(folder, started)
     trainer = JetGRPOTrainer(copy.deepcopy(base), task.reward_fn,
                              args=_config(spec, strategy, seed, folder, checkpoint_every),
@@ -196,7 +198,12 @@ def _run_one(spec, strategy, seed, base, tokenizer, task, data: StudyData, outpu
 
         trainer.add_callback(StopAtDeadline())
     evaluation = dict(phase=spec.eval_phase, samples=spec.eval_samples, seed=seed)
-    before = evaluate_policy(trainer, task, data.eval, **evaluation)  # the start: a resume rebuilt it
+    # A resume continues the very start of started.json, so the evaluation saved with it is this start's.
+    before = read_eval_before(folder) if resume else None
+    if before is None:
+        before = evaluate_policy(trainer, task, data.eval, **evaluation)
+        if checkpointed:
+            write_eval_before(folder, before)
     start = time.perf_counter()
     trainer.train(resume_from_checkpoint=True if resume else None)  # True: the newest complete checkpoint
     if trainer.state.global_step < spec.steps:  # stopped at the deadline, its checkpoint saved
@@ -212,7 +219,7 @@ def _run_one(spec, strategy, seed, base, tokenizer, task, data: StudyData, outpu
     write_run(folder, recorder.rows, result)
     for leftover in (*folder.glob("checkpoint-*"), *folder.glob(".jetrl-*")):  # a finished run keeps its two files
         shutil.rmtree(leftover, ignore_errors=True)
-    for leftover in ("started.json", "README.md"):  # README.md: the checkpoints' model card
+    for leftover in (STARTED, EVAL_BEFORE, "README.md"):  # README.md: the checkpoints' model card
         (folder / leftover).unlink(missing_ok=True)
     del trainer
     gc.collect()

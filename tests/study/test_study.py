@@ -407,9 +407,16 @@ def test_a_run_interrupted_after_a_checkpoint_continues_from_it_to_the_uninterru
     with pytest.raises(Killed):
         run_study(spec, model, tmp_path / "parts", checkpoint_every=2, **quiet)
     folder = tmp_path / "parts" / "bf16-bf16" / "seed0"
-    assert sorted(p.name for p in folder.iterdir()) == ["README.md", "checkpoint-2", "started.json"]  # + model card
+    assert sorted(p.name for p in folder.iterdir()) == ["README.md", "checkpoint-2", "eval_before.json",
+                                                        "started.json"]  # + model card  # fmt: skip
     monkeypatch.setattr(recorder_module.RunRecorder, "on_step_end", real_end)
+    from jetrl_trainer.study import evaluate as evaluate_module
+
+    evaluated = []  # the resume reads the start's evaluation back: it evaluates the end only
+    real_evaluate = evaluate_module.evaluate_policy
+    monkeypatch.setattr(evaluate_module, "evaluate_policy", lambda *a, **k: evaluated.append(1) or real_evaluate(*a, **k))
     run_study(spec, model, tmp_path / "parts", checkpoint_every=2, **quiet)
+    assert len(evaluated) == 1
     rows, result = _read(folder)
     assert result["resumed_after_step"] == 2 and [r["step"] for r in rows] == [1, 2, 3, 4]
     assert _untimed(rows) == _untimed(whole_rows)
