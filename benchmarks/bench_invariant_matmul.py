@@ -13,7 +13,11 @@ call can pick the settings. Each invariant figure comes with its ratio to cuBLAS
 ``--fp8`` times the exact mode's FP8 GEMM instead: the Triton FP8 GEMM (`kernels/triton_gemm.py`,
 what the exact mode's FP8 layers run) with the shipped ``TritonGemmSettings``, the same with its K
 groups in one chunk (``split_k_groups`` past K: no split), and ``--candidates`` of that class,
-against ``scaled_mm`` (cuBLASLt's blockwise FP8, the kernel path's) and cuBLAS BF16.
+against ``scaled_mm`` (cuBLASLt's blockwise FP8, the kernel path's) and cuBLAS BF16. Its figures
+are per call inside a CUDA graph of 20 calls, each reading the next cold copy of the weight, as a
+decode step (a graph) reads each layer's weight from DRAM: timed call by call, a decode-sized GEMM
+of tens of microseconds measures the host's launch as much as the kernel (session 34, one H200: one
+shape's ``scaled_mm`` took 21 to 88 us across four repeats).
 
 Usage: ``python benchmarks/bench_invariant_matmul.py [--rows 64,12288]
 [--candidates "split_k=1024;block_m=128,block_n=128"] [--fp8]``.
@@ -25,7 +29,7 @@ import argparse
 import dataclasses
 
 import torch
-from _common import bench_ms, dump, environment
+from _common import bench_graph_ms, bench_ms, cold_copies, cycling, dump, environment
 
 SHAPES = {"q/o": (4096, 4096), "k/v": (4096, 1024), "gate/up": (4096, 12288), "down": (12288, 4096),
           "lm_head": (4096, 151936)}  # name: (K, N)  # fmt: skip
@@ -65,10 +69,13 @@ def run_fp8_case(rows: int, k: int, n: int, candidates: list[dict]) -> dict:
     shipped = TritonGemmSettings()
     settings = {"shipped": shipped, "one_chunk": dataclasses.replace(shipped, split_k_groups=k // 128 + 1)}
     settings |= {",".join(f"{key}={v}" for key, v in c.items()): dataclasses.replace(shipped, **c) for c in candidates}
-    us = {"cublas_bf16": 1e3 * bench_ms(lambda: a @ b.t()),
-          "scaled_mm": 1e3 * bench_ms(lambda: fp8_gemm_nt((a_q, a_s), (b_q, b_s), backend="scaled_mm"))}  # fmt: skip
+    bf16_copies, fp8_copies = cold_copies([b]), cold_copies([b_q, b_s])
+    us = {"cublas_bf16": 1e3 * bench_graph_ms(cycling(lambda w: a @ w.t(), bf16_copies)),
+          "scaled_mm": 1e3 * bench_graph_ms(cycling(lambda w, ws: fp8_gemm_nt((a_q, a_s), (w, ws), backend="scaled_mm"),
+                                                    fp8_copies))}  # fmt: skip
     for name, s in settings.items():
-        us[name] = 1e3 * bench_ms(lambda s=s: triton_fp8_gemm_nt(a_q, a_s, b_q, b_s, "block", torch.bfloat16, settings=s))
+        gemm = lambda w, ws, s=s: triton_fp8_gemm_nt(a_q, a_s, w, ws, "block", torch.bfloat16, settings=s)  # noqa: E731
+        us[name] = 1e3 * bench_graph_ms(cycling(gemm, fp8_copies))
     return {name: dict(us=round(t, 1), over_scaled_mm=round(t / us["scaled_mm"], 2)) for name, t in us.items()}
 
 
