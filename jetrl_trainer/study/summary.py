@@ -45,7 +45,7 @@ class StrategyRow:
     dlogp_max: float
     rollout_s: float  # per step
     train_s: float
-    eval_gain: tuple[float, float | None] = (0.0, None)  # paired after - before: (mean, 95% half-width)
+    eval_gain: tuple[float, float | None] | None = None  # paired after - before: (mean, 95% half-width)
     sampled_before: tuple[float, float] | None = None  # accuracy of sampled answers (StudySpec.eval_samples)
     sampled_after: tuple[float, float] | None = None
     sampled_gain: tuple[float, float | None] | None = None
