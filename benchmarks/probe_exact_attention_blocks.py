@@ -52,38 +52,38 @@ def probe(blocks: list[int], positions: int, device: str, heads: int = 32, heads
     first = torch.tensor(pads, device=device)
     last = torch.arange(positions, device=device)[None].expand(2, positions).clone()
     last[torch.arange(positions, device=device)[None] < first[:, None]] = -1
+    real = (last >= 0)[:, None, :].expand(2, heads, positions)  # padding queries read no key: not compared
     scale = d**-0.5
     picks = [pads[1], positions // 2, positions - 1]
+    small, large = min(blocks), max(blocks)
+
+    def at(block: int) -> ExactAttentionSettings:
+        return ExactAttentionSettings(dot=dot, block_m=block, split_keys=split)
+
+    def whole_sequence(keys, values, scales, block: int) -> torch.Tensor:
+        return exact_attention(q, keys, values, first, last, scale, at(block), **scales)
+
+    def decode_steps(keys, values, scales, block: int) -> torch.Tensor:
+        """The queries at ``picks``, each a decode step over its live keys."""
+        return torch.stack([exact_attention(q[:, :, p : p + 1], keys[:, :, : p + 1], values[:, :, : p + 1], first,
+                                            torch.full((2, 1), p, device=device), scale, at(block),
+                                            **scales)[:, :, 0] for p in picks])  # fmt: skip
+
+    def at_picks(whole: torch.Tensor) -> torch.Tensor:
+        return torch.stack([whole[:, :, p] for p in picks])
+
     out: dict = {}
-    for name, (keys, values, scales) in forms.items():
-        whole = {}
-        for block in blocks:
-            settings = ExactAttentionSettings(dot=dot, block_m=block, split_keys=split)
-            whole[block] = exact_attention(q, keys, values, first, last, scale, settings, **scales)
-        real = (last >= 0)[:, None, :].expand(2, heads, positions)  # padding queries read no key: not compared
+    for name, form in forms.items():
+        whole = {block: whole_sequence(*form, block) for block in blocks}
         out[f"{name}: whole, block_m {blocks[0]} vs others"] = {
             str(b): _same(whole[b][real], whole[blocks[0]][real]) for b in blocks[1:]}  # fmt: skip
-        training = whole[max(blocks)]
         for block in blocks:
-            settings = ExactAttentionSettings(dot=dot, block_m=block, split_keys=split)
-            steps = [exact_attention(q[:, :, p : p + 1], keys[:, :, : p + 1], values[:, :, : p + 1], first,
-                                     torch.full((2, 1), p, device=device), scale, settings,
-                                     **scales)[:, :, 0] for p in picks]  # fmt: skip
-            out[f"{name}: decode at block_m {block} vs whole at {max(blocks)}"] = _same(
-                torch.stack(steps), torch.stack([training[:, :, p] for p in picks]))
+            out[f"{name}: decode at block_m {block} vs whole at {large}"] = _same(
+                decode_steps(*form, block), at_picks(whole[large]))
     # The split that would need both: the decode reads the codes at the small block, the training forward
     # the dequantized values at the large one.
-    small, large = min(blocks), max(blocks)
-    codes_k, codes_v, codes_scales = forms["fp8_codes"]
-    values_k, values_v, _ = forms["fp8_values_bf16"]
-    training = exact_attention(q, values_k, values_v, first, last, scale,
-                               ExactAttentionSettings(dot=dot, block_m=large, split_keys=split))  # fmt: skip
-    steps = [exact_attention(q[:, :, p : p + 1], codes_k[:, :, : p + 1], codes_v[:, :, : p + 1], first,
-                             torch.full((2, 1), p, device=device), scale,
-                             ExactAttentionSettings(dot=dot, block_m=small, split_keys=split), **codes_scales)[:, :, 0]
-             for p in picks]  # fmt: skip
     out[f"fp8: decode over codes at block_m {small} vs whole over values at {large}"] = _same(
-        torch.stack(steps), torch.stack([training[:, :, p] for p in picks]))
+        decode_steps(*forms["fp8_codes"], small), at_picks(whole_sequence(*forms["fp8_values_bf16"], large)))
     return out
 
 
